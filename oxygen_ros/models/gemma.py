@@ -1,0 +1,191 @@
+"""Gemma building blocks for the Mixture-of-Transformers VLA: RMSNorm, adaRMSNorm, RoPE, attention.
+
+Formulas (pi05-facts.md; Gemma and openpi reference implementations):
+
+* RMSNorm, computed in fp32: ``y = x · rsqrt(mean(x²) + eps) · (1 + w)``.
+* adaRMSNorm (π0.5 action expert): a Dense ``cond → 3·width`` gives ``scale, shift, gate`` (that order);
+  ``y = x · rsqrt(mean(x²) + eps) · (1 + scale) + shift``; the sublayer's residual is ``x + gate · f(y)``.
+* RoPE with base θ, half-split rotation: ``x · cos + rotate_half(x) · sin`` with frequencies
+  ``θ^(-2i/head_dim)``.
+* Attention scale ``head_dim^-0.5``; multi-query / grouped K/V heads.
+* GeGLU MLP: ``down(gelu_tanh(gate(x)) · up(x))``.
+
+A :class:`GemmaLayer` exposes the two halves of a decoder layer (:meth:`GemmaLayer.project_qkv` before
+attention and :meth:`GemmaLayer.finish` after it) so that the caller can run one attention over the
+tokens of two experts (MoT), or over cached keys and values.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 ``x · rsqrt(mean(x², -1) + eps)`` of any float ``x [..., D]``."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """Gemma RMSNorm ``y = normalize(x) · (1 + weight)`` (fp32 math, output in x's dtype).
+
+    :meth:`forward` takes and ignores ``modulation`` and returns ``(y, None)`` so it is
+    interchangeable with :class:`AdaRMSNorm`.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor, modulation: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        return (rms_normalize(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype), None
+
+
+class AdaRMSNorm(nn.Module):
+    """π0.5 adaptive RMSNorm; ``dense`` maps the time condition to ``scale, shift, gate``.
+
+    :meth:`modulation` turns a condition ``[..., cond_dim]`` into ``[..., 3·dim]`` (fp32); it depends on
+    the denoising time only, so the sampler computes it once per step for all tokens. :meth:`forward`
+    takes ``x [B, T, dim]`` and a modulation broadcastable to ``[B, T, 3·dim]``, returns ``(y, gate)``.
+    """
+
+    def __init__(self, dim: int, cond_dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.dense = nn.Linear(cond_dim, 3 * dim)
+
+    def modulation(self, cond: torch.Tensor) -> torch.Tensor:
+        return self.dense(cond.to(self.dense.weight.dtype)).float()
+
+    def forward(self, x: torch.Tensor, modulation: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if modulation is None:
+            raise ValueError("AdaRMSNorm needs the time-conditioning modulation")
+        scale, shift, gate = modulation.chunk(3, dim=-1)
+        y = rms_normalize(x, self.eps) * (1.0 + scale) + shift
+        return y.to(x.dtype), gate.to(x.dtype)
+
+
+class GemmaAttentionProjections(nn.Module):
+    """Q/K/V/O projections (no bias): q ``W→heads·hd``, k/v ``W→kv_heads·hd``, o ``heads·hd→W``."""
+
+    def __init__(self, width: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(width, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(width, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(width, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, width, bias=False)
+
+
+class GeGLU(nn.Module):
+    """Gemma MLP ``down(gelu_tanh(gate(x)) · up(x))``."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(width, hidden, bias=False)
+        self.up_proj = nn.Linear(width, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class GemmaLayer(nn.Module):
+    """One pre-norm Gemma decoder layer, split around its attention.
+
+    Args:
+        width, mlp_dim: residual width and GeGLU hidden size.
+        num_heads, num_kv_heads, head_dim: attention layout.
+        eps: RMSNorm epsilon.
+        cond_dim: None for plain RMSNorm; the time-condition width for adaRMSNorm (π0.5 expert).
+    """
+
+    def __init__(self, width: int, mlp_dim: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 eps: float, cond_dim: int | None = None):
+        super().__init__()
+        self.self_attn = GemmaAttentionProjections(width, num_heads, num_kv_heads, head_dim)
+        self.mlp = GeGLU(width, mlp_dim)
+        if cond_dim is None:
+            self.input_layernorm = RMSNorm(width, eps)
+            self.post_attention_layernorm = RMSNorm(width, eps)
+        else:
+            self.input_layernorm = AdaRMSNorm(width, cond_dim, eps)
+            self.post_attention_layernorm = AdaRMSNorm(width, cond_dim, eps)
+
+    def project_qkv(self, x: torch.Tensor, modulation: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Pre-attention half: ``x [B, T, W]`` → q ``[B, T, heads, hd]``, k, v ``[B, T, kv_heads, hd]``
+        (before RoPE) and the attention residual gate (None without adaRMSNorm)."""
+        h, gate = self.input_layernorm(x, modulation)
+        a = self.self_attn
+        b, t = x.shape[:2]
+        q = a.q_proj(h).view(b, t, a.num_heads, a.head_dim)
+        k = a.k_proj(h).view(b, t, a.num_kv_heads, a.head_dim)
+        v = a.v_proj(h).view(b, t, a.num_kv_heads, a.head_dim)
+        return q, k, v, gate
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor, attn_gate: torch.Tensor | None,
+               modulation: torch.Tensor | None = None) -> torch.Tensor:
+        """Post-attention half: ``attn [B, T, heads·hd]`` → o_proj, (gated) residual, MLP block."""
+        out = self.self_attn.o_proj(attn)
+        x = x + (out if attn_gate is None else attn_gate * out)
+        h, gate = self.post_attention_layernorm(x, modulation)
+        out = self.mlp(h)
+        return x + (out if gate is None else gate * out)
+
+
+class GemmaStack(nn.Module):
+    """``layers`` (a ModuleList of :class:`GemmaLayer`) and the final ``norm``."""
+
+    def __init__(self, num_layers: int, width: int, mlp_dim: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, eps: float, cond_dim: int | None = None):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            GemmaLayer(width, mlp_dim, num_heads, num_kv_heads, head_dim, eps, cond_dim) for _ in range(num_layers))
+        self.norm = RMSNorm(width, eps) if cond_dim is None else AdaRMSNorm(width, cond_dim, eps)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """fp32 ``[head_dim/2]`` RoPE frequencies ``θ^(-2i/head_dim)``."""
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[B, T, 1, head_dim]`` in ``dtype`` for int64 ``positions [B, T]`` (angles in fp32)."""
+    angles = positions.to(torch.float32)[..., None] * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split rotary embedding of ``x [B, T, heads, hd]`` with cos/sin ``[B, T, 1, hd]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked multi-query / grouped-query attention with scale ``head_dim^-0.5``.
+
+    Args:
+        q: ``[B, T, heads, hd]``.
+        k, v: ``[B, L, kv_heads, hd]``; ``heads`` is a multiple of ``kv_heads``.
+        mask: bool ``[B, T, L]``, True = query may attend to key. Every row needs at least one True.
+
+    Returns:
+        ``[B, T, heads·hd]`` in q's dtype.
+
+    The query heads that share a K/V head are folded into the query length, so each K/V head is one
+    batched matmul against ``heads/kv_heads · T`` queries (SDPA softmax accumulates in fp32).
+    """
+    b, t, heads, hd = q.shape
+    length, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    q = q.view(b, t, kv_heads, group, hd).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * t, hd)
+    m = mask[:, None, None].expand(b, 1, group, t, length).reshape(b, 1, group * t, length)
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=m)
+    return out.view(b, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, heads * hd)

@@ -1,0 +1,123 @@
+"""The KV-cache storage interface between the models and the engine.
+
+The model computes keys and values; where they live is not its business. Every cached forward
+(prefill, denoise, decode step) receives a :class:`KVCacheView`: a batch of B sequences, each with
+some tokens already cached (``cached_lens[b]``, possibly 0) and, for prefill and decode, some new
+tokens to append (``new_lens[b]``). The model reads the cached part of each layer, concatenates it
+with the K/V of the new tokens for attention, and asks the view to store the new part.
+
+Two implementations exist: :class:`DenseKVCache` here (contiguous tensors, for the model's own tests
+and the cache-free/reference comparisons) and the engine's paged pool (block tables, reference
+counts), which implements the same protocol over shared pages.
+
+Shapes: K and V are ``[B, T, num_kv_heads, head_dim]``; masks are bool ``[B, T]`` with True = valid.
+Tokens of a sequence are left-packed: the valid tokens of sequence b are ``[:cached_lens[b]]`` in the
+cached tensors and ``[:new_lens[b]]`` in the new tensors; anything beyond is padding.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class KVCacheView(Protocol):
+    """A batch of sequences' K/V storage as one forward pass sees it."""
+
+    @property
+    def cached_lens(self) -> torch.Tensor:
+        """int64 ``[B]``: tokens already cached per sequence before this forward."""
+
+    @property
+    def new_lens(self) -> torch.Tensor:
+        """int64 ``[B]``: tokens this forward appends per sequence (0 for a read-only view)."""
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return the cached ``(k, v, valid)`` of ``layer``.
+
+        k, v: ``[B, Lc, num_kv_heads, head_dim]`` with ``Lc = max(cached_lens)`` (0 allowed);
+        valid: bool ``[B, Lc]``. Never includes tokens written during the current forward.
+        """
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens of ``layer``: k, v ``[B, T, num_kv_heads, head_dim]``, T >= max(new_lens).
+
+        Only ``[:new_lens[b]]`` of each row is stored. Raises ``RuntimeError`` on a read-only view.
+        """
+
+
+class DenseKVCache:
+    """Contiguous per-layer KV storage for a fixed batch; implements :class:`KVCacheView`.
+
+    Each call of :meth:`begin` starts a forward that appends ``new_lens`` tokens per sequence;
+    :meth:`commit` ends it and makes those tokens part of the cache. Used by the models' tests and
+    single-process tools; the engine uses its paged pool instead.
+
+    Args:
+        num_layers: decoder depth.
+        batch_size: B.
+        num_kv_heads, head_dim: K/V head layout.
+        dtype, device: storage dtype and device.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self._num_layers = num_layers
+        self._shape = (batch_size, 0, num_kv_heads, head_dim)
+        self._k = [torch.zeros(self._shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._v = [torch.zeros(self._shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._cached_lens = torch.zeros(batch_size, dtype=torch.long)
+        self._new_lens = torch.zeros(batch_size, dtype=torch.long)
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._read_only = True
+
+    @property
+    def cached_lens(self) -> torch.Tensor:
+        return self._cached_lens
+
+    @property
+    def new_lens(self) -> torch.Tensor:
+        return self._new_lens
+
+    def begin(self, new_lens: torch.Tensor | None = None) -> "DenseKVCache":
+        """Start a forward appending ``new_lens`` (int64 ``[B]``) tokens; None = read-only."""
+        self._read_only = new_lens is None
+        self._new_lens = (torch.zeros_like(self._cached_lens) if new_lens is None
+                          else new_lens.to(torch.long).cpu())
+        self._pending = {}
+        return self
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        length = self._k[layer].shape[1]
+        valid = torch.arange(length)[None, :] < self._cached_lens[:, None]
+        return self._k[layer], self._v[layer], valid.to(self._k[layer].device)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._read_only:
+            raise RuntimeError("write() on a read-only KV view (denoising never writes the prefix)")
+        self._pending[layer] = (k, v)
+
+    def commit(self) -> None:
+        """Append the tokens written since :meth:`begin` (every layer must have been written)."""
+        if self._read_only:
+            return
+        if len(self._pending) != self._num_layers:
+            raise RuntimeError(f"commit() after {len(self._pending)} of {self._num_layers} layers written")
+        new_total = self._cached_lens + self._new_lens
+        length = int(new_total.max()) if len(new_total) else 0
+        for layer, (k_new, v_new) in self._pending.items():
+            self._k[layer] = self._append(self._k[layer], k_new, length)
+            self._v[layer] = self._append(self._v[layer], v_new, length)
+        self._cached_lens = new_total
+        self._pending = {}
+        self._read_only = True
+
+    def _append(self, old: torch.Tensor, new: torch.Tensor, length: int) -> torch.Tensor:
+        out = old.new_zeros((old.shape[0], length, *old.shape[2:]))
+        for b in range(old.shape[0]):
+            c, n = int(self._cached_lens[b]), int(self._new_lens[b])
+            out[b, :c] = old[b, :c]
+            out[b, c:c + n] = new[b, :n].to(old.dtype)
+        return out

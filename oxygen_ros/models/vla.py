@@ -1,0 +1,582 @@
+"""π0.5 / π0 as one PyTorch module with the split the engine needs and a cache-free reference.
+
+Architecture and numerics follow ``shared/design/pi05-facts.md`` (openpi, LeRobot and transformers'
+π0): SigLIP vision tower + linear projector, a Gemma VLM and a Gemma action expert with separate
+weights joined by one attention per layer (Mixture-of-Transformers), flow matching with a fixed
+S-step Euler loop from t = 1 (noise) to t = 0 with dt = -1/S.
+
+Cached path (what the engine calls):
+
+* :meth:`VLAModel.encode_images` — one SigLIP call for all cameras of all observations;
+* :meth:`VLAModel.prefill` — appends left-packed prefix tokens to a :class:`KVCacheView`;
+* :meth:`VLAModel.denoise` — action chunk from a read-only prefix view;
+* :meth:`VLAModel.decode_step` — one batched language decode step.
+
+Because the prefix never attends to the suffix, expert layer i at inference needs exactly the prefix
+K/V of VLM layer i; that is why a prefix KV cache written by the VLM alone serves both the action
+expert and language decoding.
+
+Reference path (for verification, no cache): :meth:`VLAModel.reference_actions`,
+:meth:`VLAModel.reference_logits`, :meth:`VLAModel.reference_generate` run one joint forward over the
+(unpacked, masked) prefix and the suffix with openpi's block masks (``cumsum`` of block starts) and
+positions (``cumsum(valid) - 1``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import SiglipVisionConfig, SiglipVisionModel
+
+from .config import VLAConfig
+from .gemma import (AdaRMSNorm, GemmaStack, RMSNorm, apply_rope, attention, rope_cos_sin,
+                    rope_inverse_frequencies)
+from .kv_cache import KVCacheView
+
+
+def left_pack(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move the valid tokens of each row to the front, keeping their order.
+
+    Args:
+        x: ``[B, T, ...]``.
+        valid: bool ``[B, T]``.
+
+    Returns:
+        ``(packed [B, max(lens), ...], lens int64 [B])``; entries beyond ``lens[b]`` are padding.
+    """
+    lens = valid.sum(1)
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+    width = int(lens.max()) if lens.numel() else 0
+    index = order[:, :width].reshape(*order.shape[:1], width, *([1] * (x.dim() - 2)))
+    return torch.gather(x, 1, index.expand(-1, -1, *x.shape[2:])), lens
+
+
+def sinusoidal_time_embedding(t: torch.Tensor, width: int, min_period: float, max_period: float) -> torch.Tensor:
+    """fp32 ``[N, width]`` = ``[sin, cos](2π t / period)`` for ``t [N]``.
+
+    ``width/2`` periods log-spaced from ``min_period`` to ``max_period`` (openpi: 4e-3 to 4.0).
+    """
+    fraction = torch.linspace(0.0, 1.0, width // 2, dtype=torch.float32, device=t.device)
+    period = min_period * (max_period / min_period) ** fraction
+    angles = t.to(torch.float32)[:, None] * (2.0 * math.pi / period)[None, :]
+    return torch.cat((angles.sin(), angles.cos()), dim=-1)
+
+
+def block_mask(valid: torch.Tensor, block_start: torch.Tensor) -> torch.Tensor:
+    """openpi prefix-LM mask: token i attends to valid j iff ``blocks[j] <= blocks[i]``.
+
+    Args:
+        valid: bool ``[B, T]``.
+        block_start: bool ``[B, T]``; True where a token starts a new block (openpi's ``ar_mask``).
+
+    Returns:
+        bool ``[B, T, T]``. Rows of invalid queries attend to themselves only (never read).
+    """
+    blocks = torch.cumsum(block_start.to(torch.long), dim=1)
+    mask = (blocks[:, None, :] <= blocks[:, :, None]) & valid[:, None, :] & valid[:, :, None]
+    eye = torch.eye(valid.shape[1], dtype=torch.bool, device=valid.device)
+    return mask | (eye[None] & ~valid[:, :, None])
+
+
+class VLAModel(nn.Module):
+    """π0.5 or π0 (per ``config.variant``) with cached and reference inference.
+
+    Submodule names are the project's own; :mod:`oxygen_ros.models.checkpoint` maps the openpi,
+    LeRobot and transformers layouts onto them. Construct with random weights via
+    :func:`oxygen_ros.models.checkpoint.load_model`.
+
+    Args:
+        config: the architecture.
+    """
+
+    def __init__(self, config: VLAConfig):
+        super().__init__()
+        c = self.config = config
+        self.vision_tower = SiglipVisionModel(SiglipVisionConfig(
+            hidden_size=c.vision_width, intermediate_size=c.vision_mlp_dim,
+            num_hidden_layers=c.vision_num_layers, num_attention_heads=c.vision_num_heads,
+            image_size=c.image_size, patch_size=c.patch_size, layer_norm_eps=c.vision_eps,
+            hidden_act="gelu_pytorch_tanh", vision_use_head=False))
+        self.projector = nn.Linear(c.vision_width, c.vlm_width)
+        self.token_embedding = nn.Embedding(c.vocab_size, c.vlm_width)
+        self.vlm = GemmaStack(c.vlm_num_layers, c.vlm_width, c.vlm_mlp_dim, c.num_heads, c.num_kv_heads,
+                              c.head_dim, c.rms_eps)
+        is_pi05 = c.variant == "pi05"
+        self.expert = GemmaStack(c.vlm_num_layers, c.expert_width, c.expert_mlp_dim, c.num_heads,
+                                 c.num_kv_heads, c.head_dim, c.rms_eps,
+                                 cond_dim=c.expert_width if is_pi05 else None)
+        self.action_in_proj = nn.Linear(c.action_dim, c.expert_width)
+        self.action_out_proj = nn.Linear(c.expert_width, c.action_dim)
+        if is_pi05:
+            self.time_mlp_in = nn.Linear(c.expert_width, c.expert_width)
+            self.time_mlp_out = nn.Linear(c.expert_width, c.expert_width)
+        else:
+            self.state_proj = nn.Linear(c.action_dim, c.expert_width)
+            self.action_time_mlp_in = nn.Linear(2 * c.expert_width, c.expert_width)
+            self.action_time_mlp_out = nn.Linear(c.expert_width, c.expert_width)
+        self.register_buffer("rope_inv_freq", rope_inverse_frequencies(c.head_dim, c.rope_theta), persistent=False)
+        self._embed_scale = math.sqrt(c.vlm_width)
+
+    # ------------------------------------------------------------------ setup helpers
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the matmul weights (norm parameters stay fp32)."""
+        return self.projector.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.projector.weight.device
+
+    def to_dtype(self, dtype: torch.dtype) -> "VLAModel":
+        """Cast weights to ``dtype`` (fp32 or bf16) keeping every Gemma RMS/adaRMS norm in fp32.
+
+        Raises:
+            ValueError: dtype other than float32 / bfloat16.
+        """
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+        self.to(dtype)
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, AdaRMSNorm)):
+                module.float()
+        self.rope_inv_freq = self.rope_inv_freq.float()
+        return self
+
+    def init_random(self, seed: int) -> "VLAModel":
+        """Deterministic random weights for tests and tiny presets (same seed ⇒ same weights).
+
+        Matrices get N(0, 1/fan_in); biases, norm weights and embeddings N(0, 0.1²) / N(0, 1) so that
+        every path (including adaRMSNorm, zero-initialised in training) is exercised.
+        """
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name == "token_embedding.weight" or "position_embedding" in name:
+                    std = 1.0 / math.sqrt(param.shape[-1]) if "position" in name else 1.0
+                elif param.dim() >= 2:
+                    std = 1.0 / math.sqrt(param[0].numel())
+                else:
+                    std = 0.1
+                sample = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
+                if name.endswith("layer_norm1.weight") or name.endswith("layer_norm2.weight") \
+                        or name.endswith("post_layernorm.weight"):
+                    sample += 1.0
+                param.copy_(sample.to(param.dtype))
+        return self
+
+    # ------------------------------------------------------------------ embeddings
+
+    @torch.inference_mode()
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """SigLIP + projector for a batch of camera images (one vision call).
+
+        Args:
+            pixels: float ``[N, 3, image_size, image_size]`` in [-1, 1] (see ``processing``).
+
+        Returns:
+            ``[N, num_image_tokens, vlm_width]`` in the model dtype (image tokens are not scaled).
+
+        Raises:
+            ValueError: wrong shape.
+        """
+        c = self.config
+        if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (3, c.image_size, c.image_size):
+            raise ValueError(f"pixels must be [N, 3, {c.image_size}, {c.image_size}], got {tuple(pixels.shape)}")
+        features = self.vision_tower(pixel_values=pixels.to(self.device, self.dtype)).last_hidden_state
+        return self.projector(features)
+
+    @torch.inference_mode()
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings × sqrt(vlm_width): int64 ``[...]`` → ``[..., vlm_width]``.
+
+        Raises:
+            ValueError: an id outside ``[0, vocab_size)``.
+        """
+        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+        return self.token_embedding(token_ids.to(self.device)) * self._embed_scale
+
+    @torch.inference_mode()
+    def embed_prefix(self, image_tokens: torch.Tensor, camera_mask: torch.Tensor, token_ids: torch.Tensor,
+                     token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-packed prefix embeddings: valid cameras' image tokens, then the valid prompt tokens.
+
+        Args:
+            image_tokens: ``[B, C, num_image_tokens, W]`` from :meth:`encode_images` (masked cameras:
+                any values, e.g. zeros; they are dropped).
+            camera_mask: bool ``[B, C]``, True = camera present.
+            token_ids: int64 ``[B, L]`` prompt tokens.
+            token_mask: bool ``[B, L]`` valid prompt tokens.
+
+        Returns:
+            ``(embeds [B, T, W], prefix_lens [B], image_lens [B])`` — int64 lengths; ``image_lens`` is
+            the bidirectional image block size for the causal-prompt variant.
+        """
+        b, cams, n, w = image_tokens.shape
+        text = self.embed_tokens(token_ids).to(image_tokens.dtype)
+        x = torch.cat((image_tokens.reshape(b, cams * n, w), text), dim=1)
+        image_valid = camera_mask.to(torch.bool).repeat_interleave(n, dim=1)
+        valid = torch.cat((image_valid, token_mask.to(torch.bool)), dim=1)
+        packed, lens = left_pack(x, valid.to(x.device))
+        return packed, lens, image_valid.sum(1)
+
+    # ------------------------------------------------------------------ cached path
+
+    def _check_kv(self, kv: KVCacheView) -> None:
+        if not isinstance(kv, KVCacheView):
+            raise ValueError(f"kv must implement KVCacheView, got {type(kv).__name__}")
+
+    @torch.inference_mode()
+    def prefill(self, embeds: torch.Tensor, kv: KVCacheView, bidirectional_lens: torch.Tensor,
+                need_logits: bool = True, return_hidden: bool = False):
+        """Run the VLM over new left-packed tokens on top of a KV cache and write their K/V.
+
+        Row b's new tokens are ``embeds[b, :kv.new_lens[b]]`` at positions ``kv.cached_lens[b] + i``.
+        They attend to every valid cached token; among themselves the first ``bidirectional_lens[b]``
+        form one bidirectional block and each later token is causal (sees everything before it and
+        itself). openpi π0.5 prefix: ``bidirectional_lens = new_lens``; causal-prompt variant: the image
+        count; a prompt fork on top of cached images: 0.
+
+        Args:
+            embeds: ``[B, T, vlm_width]`` (T >= max new_lens).
+            kv: view with ``new_lens`` set; every layer is written.
+            bidirectional_lens: int64 ``[B]``, ``0 <= bidirectional_lens <= new_lens``.
+            need_logits: compute the LM logits of each row's last new token.
+            return_hidden: also return the final-normed hidden state mean-pooled over each row's
+                valid new tokens, ``[B, vlm_width]`` fp32 (memory-task embedding).
+
+        Returns:
+            logits fp32 ``[B, vocab]`` (None if not ``need_logits``), or ``(logits, pooled)`` if
+            ``return_hidden``. Rows with ``new_lens == 0`` get meaningless values.
+
+        Raises:
+            ValueError: bad shapes or lengths.
+        """
+        self._check_kv(kv)
+        if embeds.dim() != 3 or embeds.shape[-1] != self.config.vlm_width:
+            raise ValueError(f"embeds must be [B, T, {self.config.vlm_width}], got {tuple(embeds.shape)}")
+        b, t = embeds.shape[:2]
+        new_lens = kv.new_lens.to(self.device)
+        bidir = torch.as_tensor(bidirectional_lens, dtype=torch.long, device=self.device)
+        if new_lens.shape != (b,) or bidir.shape != (b,):
+            raise ValueError(f"new_lens {tuple(new_lens.shape)} and bidirectional_lens {tuple(bidir.shape)} "
+                             f"must be [B] with B = {b}")
+        if bool((new_lens > t).any()) or bool((bidir > new_lens).any()) or bool((bidir < 0).any()):
+            raise ValueError(f"need 0 <= bidirectional_lens <= new_lens <= T={t}; "
+                             f"got new_lens={new_lens.tolist()}, bidirectional_lens={bidir.tolist()}")
+        idx = torch.arange(t, device=self.device)
+        query, key = idx[None, :, None], idx[None, None, :]
+        limit = torch.maximum(query, (bidir - 1)[:, None, None])
+        new_mask = (key <= limit) & (key < new_lens[:, None, None])
+        new_mask |= (query >= new_lens[:, None, None]) & (query == key)
+        hidden = self._vlm_cached(embeds.to(self.dtype), kv, new_mask)
+        last = (new_lens - 1).clamp(min=0)
+        logits = None
+        if need_logits:
+            h_last = hidden[torch.arange(b, device=self.device), last]
+            logits = self._lm_logits(self.vlm.norm(h_last)[0])
+        if not return_hidden:
+            return logits
+        valid = (idx[None, :] < new_lens[:, None]).to(torch.float32)
+        normed = self.vlm.norm(hidden)[0].float()
+        pooled = (normed * valid[..., None]).sum(1) / valid.sum(1, keepdim=True).clamp(min=1.0)
+        return logits, pooled
+
+    @torch.inference_mode()
+    def decode_step(self, token_ids: torch.Tensor, kv: KVCacheView) -> torch.Tensor:
+        """One batched language decode step; writes each request's new K/V.
+
+        Args:
+            token_ids: int64 ``[B]``, the last token of each request, at position ``kv.cached_lens[b]``.
+            kv: view with ``new_lens`` all 1; rows may have different prefixes and lengths.
+
+        Returns:
+            fp32 logits ``[B, vocab]`` of the next token (tied LM head).
+
+        Raises:
+            ValueError: ``token_ids`` not ``[B]`` or ``new_lens`` not all 1.
+        """
+        self._check_kv(kv)
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids must be [B], got {tuple(token_ids.shape)}")
+        if not bool((kv.new_lens == 1).all()):
+            raise ValueError(f"decode_step needs new_lens all 1, got {kv.new_lens.tolist()}")
+        embeds = self.embed_tokens(token_ids)[:, None, :]
+        new_mask = torch.ones(token_ids.shape[0], 1, 1, dtype=torch.bool, device=self.device)
+        hidden = self._vlm_cached(embeds, kv, new_mask)
+        return self._lm_logits(self.vlm.norm(hidden[:, 0])[0])
+
+    def _vlm_cached(self, x: torch.Tensor, kv: KVCacheView, new_mask: torch.Tensor) -> torch.Tensor:
+        """VLM layers over new tokens ``x [B, T, W]`` with cached K/V; ``new_mask [B, T, T]`` among new."""
+        b, t = x.shape[:2]
+        positions = kv.cached_lens.to(self.device)[:, None] + torch.arange(t, device=self.device)[None, :]
+        cos, sin = rope_cos_sin(positions, self.rope_inv_freq, x.dtype)
+        mask = None
+        for i, layer in enumerate(self.vlm.layers):
+            k_cached, v_cached, valid = kv.read(i)
+            if mask is None:
+                mask = torch.cat((valid.to(self.device)[:, None, :].expand(b, t, -1), new_mask), dim=2)
+            q, k, v, _ = layer.project_qkv(x)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            kv.write(i, k, v)
+            keys = torch.cat((k_cached.to(k.dtype), k), dim=1)
+            values = torch.cat((v_cached.to(v.dtype), v), dim=1)
+            x = layer.finish(x, attention(q, keys, values, mask), None)
+        return x
+
+    def _lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final-normed ``h [B, W]`` through the tied embedding (fp32 matmul, so bf16
+        rounding creates no ties over the vocabulary)."""
+        return F.linear(h.float(), self.token_embedding.weight.float())
+
+    @torch.inference_mode()
+    def denoise(self, kv: KVCacheView, noise: torch.Tensor, num_steps: int | None = None,
+                state: torch.Tensor | None = None) -> torch.Tensor:
+        """Flow-matching action chunk from a cached prefix (never writes ``kv``).
+
+        Euler from t = 1 to 0, ``x ← x + dt · v(x, t)`` with ``dt = -1/S`` for a fixed ``S`` steps
+        (pi05-facts.md). Action tokens sit at positions ``cached_lens + [0..H-1]`` (π0: the state
+        token at ``cached_lens``, actions after it) and attend to every valid prefix token and to each
+        other. The prefix K/V of all layers is read once, before the loop.
+
+        Args:
+            kv: read-only view of the prefix (``new_lens`` all 0).
+            noise: ``[B, H, action_dim]`` standard normal sample x_1.
+            num_steps: S (default ``config.num_steps``).
+            state: ``[B, action_dim]`` normalised, padded state; required for π0, ignored by π0.5
+                (its state is in the prompt) — passing one to π0.5 raises.
+
+        Returns:
+            fp32 ``[B, H, action_dim]`` normalised actions x_0.
+
+        Raises:
+            ValueError: bad shapes, num_steps < 1, state missing (π0) or given (π0.5).
+        """
+        self._check_kv(kv)
+        c = self.config
+        steps = c.num_steps if num_steps is None else int(num_steps)
+        if steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {steps}")
+        if noise.dim() != 3 or noise.shape[2] != c.action_dim or noise.shape[0] != kv.cached_lens.shape[0]:
+            raise ValueError(f"noise must be [B={kv.cached_lens.shape[0]}, H, {c.action_dim}], got {tuple(noise.shape)}")
+        b, horizon = noise.shape[:2]
+        self._check_state(state, b)
+        dt = -1.0 / steps
+        times = 1.0 + dt * torch.arange(steps, dtype=torch.float32, device=self.device)
+        prefix_k, prefix_v, prefix_valid = [], [], None
+        for i in range(c.vlm_num_layers):
+            k, v, valid = kv.read(i)
+            prefix_k.append(k.to(self.device, self.dtype))
+            prefix_v.append(v.to(self.device, self.dtype))
+            prefix_valid = valid.to(self.device) if prefix_valid is None else prefix_valid
+        cached_lens = kv.cached_lens.to(self.device)
+        offset = 0
+        if c.variant == "pi0":
+            prefix_k, prefix_v, prefix_valid = self._state_token_kv(state, prefix_k, prefix_v, prefix_valid,
+                                                                    cached_lens)
+            offset = 1
+        prefix_len = prefix_k[0].shape[1]
+        keys = [torch.cat((k, k.new_zeros(b, horizon, *k.shape[2:])), dim=1) for k in prefix_k]
+        values = [torch.cat((v, v.new_zeros(b, horizon, *v.shape[2:])), dim=1) for v in prefix_v]
+        mask = torch.cat((prefix_valid[:, None, :].expand(b, horizon, prefix_len),
+                          torch.ones(b, horizon, horizon, dtype=torch.bool, device=self.device)), dim=2)
+        positions = cached_lens[:, None] + offset + torch.arange(horizon, device=self.device)[None, :]
+        cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.dtype)
+        conditioning = self._time_conditioning(times)
+        x = noise.to(self.device, torch.float32)
+        for step in range(steps):
+            tokens = self._action_tokens(x, conditioning, step)
+            for i, layer in enumerate(self.expert.layers):
+                mod_in, mod_post = self._layer_modulation(conditioning, i, step)
+                q, k, v, gate = layer.project_qkv(tokens, mod_in)
+                keys[i][:, prefix_len:] = apply_rope(k, cos, sin)
+                values[i][:, prefix_len:] = v
+                attn = attention(apply_rope(q, cos, sin), keys[i], values[i], mask)
+                tokens = layer.finish(tokens, attn, gate, mod_post)
+            velocity = self.action_out_proj(self.expert.norm(tokens, self._final_modulation(conditioning, step))[0])
+            x = x + dt * velocity.float()
+        return x
+
+    def _check_state(self, state: torch.Tensor | None, batch: int) -> None:
+        if self.config.variant == "pi0":
+            if state is None or tuple(state.shape) != (batch, self.config.action_dim):
+                raise ValueError(f"π0 needs state [B={batch}, {self.config.action_dim}], got "
+                                 f"{None if state is None else tuple(state.shape)}")
+        elif state is not None:
+            raise ValueError("π0.5 takes its state in the prompt; pass state=None")
+
+    def _state_token_kv(self, state, prefix_k, prefix_v, prefix_valid, cached_lens):
+        """π0: run the state token (its own block: sees the prefix and itself) through the expert once.
+
+        Its hidden states do not depend on the noise or the time, so its K/V is computed once per
+        denoise call and appended to the prefix K/V (openpi recomputes it every step: same numbers).
+        """
+        b = state.shape[0]
+        x = self.state_proj(state.to(self.device, self.dtype))[:, None, :]
+        cos, sin = rope_cos_sin(cached_lens[:, None], self.rope_inv_freq, self.dtype)
+        valid = torch.cat((prefix_valid, torch.ones(b, 1, dtype=torch.bool, device=self.device)), dim=1)
+        mask = valid[:, None, :]
+        out_k, out_v = [], []
+        for i, layer in enumerate(self.expert.layers):
+            q, k, v, _ = layer.project_qkv(x)
+            keys = torch.cat((prefix_k[i], apply_rope(k, cos, sin)), dim=1)
+            values = torch.cat((prefix_v[i], v), dim=1)
+            x = layer.finish(x, attention(apply_rope(q, cos, sin), keys, values, mask), None)
+            out_k.append(keys)
+            out_v.append(values)
+        return out_k, out_v, valid
+
+    def _time_conditioning(self, times: torch.Tensor) -> dict[str, object]:
+        """Everything that depends on the Euler time only, for all S steps at once.
+
+        π0.5: cond = swish(time_mlp_out(swish(time_mlp_in(sinusoid(t))))) and every adaRMSNorm's
+        modulation ``[S, 3·We]``. π0: the sinusoidal embedding ``[S, We]`` for the action-time MLP.
+        """
+        c = self.config
+        emb = sinusoidal_time_embedding(times, c.expert_width, c.min_period, c.max_period).to(self.dtype)
+        if c.variant == "pi0":
+            return {"time_emb": emb}
+        cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(emb))))
+        return {
+            "layers": [(layer.input_layernorm.modulation(cond), layer.post_attention_layernorm.modulation(cond))
+                       for layer in self.expert.layers],
+            "final": self.expert.norm.modulation(cond),
+        }
+
+    def _layer_modulation(self, conditioning, layer: int, step: int):
+        if "layers" not in conditioning:
+            return None, None
+        mod_in, mod_post = conditioning["layers"][layer]
+        return mod_in[step], mod_post[step]
+
+    def _final_modulation(self, conditioning, step: int):
+        return conditioning["final"][step] if "final" in conditioning else None
+
+    def _action_tokens(self, x: torch.Tensor, conditioning, step: int) -> torch.Tensor:
+        """Expert input tokens ``[B, H, We]`` for noisy actions ``x [B, H, 32]`` at Euler step ``step``.
+
+        π0.5: ``action_in_proj(x)``; π0: ``mlp_out(swish(mlp_in([action_in_proj(x), time_emb])))``.
+        """
+        tokens = self.action_in_proj(x.to(self.dtype))
+        if "time_emb" not in conditioning:
+            return tokens
+        emb = conditioning["time_emb"][step].expand_as(tokens)
+        return self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat((tokens, emb), dim=-1))))
+
+    # ------------------------------------------------------------------ reference path (no cache)
+
+    def _joint_forward(self, prefix: torch.Tensor, prefix_valid: torch.Tensor, prefix_start: torch.Tensor,
+                       suffix: torch.Tensor | None, suffix_start: torch.Tensor | None,
+                       conditioning=None, step: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One MoT forward over ``[prefix (VLM weights); suffix (expert weights)]`` with no cache.
+
+        Returns the final-normed prefix hidden states ``[B, P, Wv]`` and suffix hidden states
+        ``[B, Q, We]`` (None without a suffix).
+        """
+        b, p = prefix.shape[:2]
+        q_len = 0 if suffix is None else suffix.shape[1]
+        ones = torch.ones(b, q_len, dtype=torch.bool, device=self.device)
+        valid = torch.cat((prefix_valid.to(self.device), ones), dim=1)
+        starts = torch.cat((prefix_start.to(self.device),
+                            ones if suffix is None else suffix_start.to(self.device).expand(b, q_len)), dim=1)
+        mask = block_mask(valid, starts)
+        positions = torch.cumsum(valid.to(torch.long), dim=1) - 1
+        cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.dtype)
+        xp = prefix.to(self.device, self.dtype)
+        xs = suffix
+        for i, vlm_layer in enumerate(self.vlm.layers):
+            qp, kp, vp, _ = vlm_layer.project_qkv(xp)
+            q, k, v = qp, kp, vp
+            if xs is not None:
+                mod_in, mod_post = self._layer_modulation(conditioning, i, step)
+                qs, ks, vs, gate = self.expert.layers[i].project_qkv(xs, mod_in)
+                q, k, v = torch.cat((qp, qs), 1), torch.cat((kp, ks), 1), torch.cat((vp, vs), 1)
+            attn = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask)
+            xp = vlm_layer.finish(xp, attn[:, :p], None)
+            if xs is not None:
+                xs = self.expert.layers[i].finish(xs, attn[:, p:], gate, mod_post)
+        out_s = None if xs is None else self.expert.norm(xs, self._final_modulation(conditioning, step))[0]
+        return self.vlm.norm(xp)[0], out_s
+
+    def _prefix_starts(self, prefix_mask: torch.Tensor, prefix_block_start: torch.Tensor | None) -> torch.Tensor:
+        if prefix_block_start is None:
+            return torch.zeros_like(prefix_mask, dtype=torch.bool)
+        if prefix_block_start.shape != prefix_mask.shape:
+            raise ValueError(f"prefix_block_start {tuple(prefix_block_start.shape)} must match prefix_mask "
+                             f"{tuple(prefix_mask.shape)}")
+        return prefix_block_start.to(torch.bool)
+
+    @torch.inference_mode()
+    def reference_actions(self, prefix_embeds: torch.Tensor, prefix_mask: torch.Tensor, noise: torch.Tensor,
+                          num_steps: int | None = None, state: torch.Tensor | None = None,
+                          prefix_block_start: torch.Tensor | None = None) -> torch.Tensor:
+        """Cache-free action chunk: one joint prefix+suffix forward per Euler step (openpi masks).
+
+        Args:
+            prefix_embeds: ``[B, P, vlm_width]``, valid tokens anywhere (need not be packed).
+            prefix_mask: bool ``[B, P]`` valid prefix tokens.
+            noise, num_steps, state: as in :meth:`denoise`.
+            prefix_block_start: bool ``[B, P]`` openpi ``ar_mask`` of the prefix (True = token starts a
+                new block); None = one bidirectional prefix block.
+
+        Returns:
+            fp32 ``[B, H, action_dim]``.
+        """
+        c = self.config
+        steps = c.num_steps if num_steps is None else int(num_steps)
+        if steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {steps}")
+        b, horizon = noise.shape[:2]
+        self._check_state(state, b)
+        starts = self._prefix_starts(prefix_mask, prefix_block_start)
+        dt = -1.0 / steps
+        conditioning = self._time_conditioning(1.0 + dt * torch.arange(steps, dtype=torch.float32,
+                                                                       device=self.device))
+        # openpi ar_mask of the suffix: π0.5 [1, 0, ...]; π0 [1 (state), 1, 0, ...].
+        suffix_start = torch.zeros(horizon + (c.variant == "pi0"), dtype=torch.bool, device=self.device)
+        suffix_start[: 1 + (c.variant == "pi0")] = True
+        x = noise.to(self.device, torch.float32)
+        for step in range(steps):
+            tokens = self._action_tokens(x, conditioning, step)
+            if c.variant == "pi0":
+                tokens = torch.cat((self.state_proj(state.to(self.device, self.dtype))[:, None, :], tokens), dim=1)
+            _, out = self._joint_forward(prefix_embeds, prefix_mask, starts, tokens, suffix_start[None],
+                                         conditioning, step)
+            x = x + dt * self.action_out_proj(out[:, -horizon:]).float()
+        return x
+
+    @torch.inference_mode()
+    def reference_logits(self, prefix_embeds: torch.Tensor, prefix_mask: torch.Tensor,
+                         prefix_block_start: torch.Tensor | None = None) -> torch.Tensor:
+        """Cache-free fp32 logits ``[B, vocab]`` of each row's last valid prefix token (found by mask)."""
+        starts = self._prefix_starts(prefix_mask, prefix_block_start)
+        hidden, _ = self._joint_forward(prefix_embeds, prefix_mask, starts, None, None)
+        mask = prefix_mask.to(self.device, torch.bool)
+        last = (torch.arange(mask.shape[1], device=self.device)[None, :] * mask).argmax(1)
+        return self._lm_logits(hidden[torch.arange(mask.shape[0], device=self.device), last])
+
+    @torch.inference_mode()
+    def reference_generate(self, prefix_embeds: torch.Tensor, prefix_mask: torch.Tensor, max_new_tokens: int,
+                           prefix_block_start: torch.Tensor | None = None) -> torch.Tensor:
+        """Cache-free greedy decoding: re-runs the whole sequence for every new token.
+
+        Decoded tokens are appended after the (possibly padded) prefix, each as its own causal block.
+
+        Returns:
+            int64 ``[B, max_new_tokens]`` argmax tokens (no early stop at EOS).
+        """
+        embeds = prefix_embeds.to(self.device, self.dtype)
+        mask = prefix_mask.to(self.device, torch.bool)
+        starts = self._prefix_starts(mask, prefix_block_start).to(self.device)
+        out = []
+        for _ in range(max_new_tokens):
+            token = self.reference_logits(embeds, mask, starts).argmax(-1)
+            out.append(token)
+            embeds = torch.cat((embeds, self.embed_tokens(token)[:, None, :].to(embeds.dtype)), dim=1)
+            mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)
+            starts = torch.cat((starts, torch.ones_like(starts[:, :1])), dim=1)
+        return torch.stack(out, dim=1)
