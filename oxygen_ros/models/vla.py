@@ -226,6 +226,14 @@ class VLAModel(nn.Module):
 
     # ------------------------------------------------------------------ cached path
 
+    def bidirectional_lens(self, prefix_lens: torch.Tensor, image_lens: torch.Tensor) -> torch.Tensor:
+        """``bidirectional_lens`` for a one-shot prefix prefill under ``config.prompt_mask``.
+
+        ``'bidirectional'`` (openpi / LeRobot): the whole prefix; ``'causal'`` (OxyGen): the images only.
+        Both arguments and the result are int64 ``[B]``.
+        """
+        return prefix_lens if self.config.prompt_mask == "bidirectional" else image_lens
+
     def _check_kv(self, kv: KVCacheView) -> None:
         if not isinstance(kv, KVCacheView):
             raise ValueError(f"kv must implement KVCacheView, got {type(kv).__name__}")
