@@ -1,0 +1,15 @@
+"""The unified KV-cache engine (no ROS): cross-task KV sharing, cross-frame continuous batching and
+deadline-aware scheduling of π0.5 / π0 action and language tasks."""
+
+from .block_pool import BlockPool, BlockPoolExhausted
+from .config import ActionTaskConfig, EngineConfig, SamplingConfig, TaskConfig, TriggerConfig
+from .engine import CycleResult, Engine
+from .kv_cache_manager import KVCacheManager, KVSequence, PagedKVCacheView
+from .model_runner import Processor
+from .prefix_cache import PrefixCache
+from .types import ActionChunk, MemoryEntry, Observation, RequestStatus, TextEvent, TextOutput
+
+__all__ = ["ActionChunk", "ActionTaskConfig", "BlockPool", "BlockPoolExhausted", "CycleResult",
+           "Engine", "EngineConfig", "KVCacheManager", "KVSequence", "MemoryEntry", "Observation",
+           "PagedKVCacheView", "PrefixCache", "Processor", "RequestStatus", "SamplingConfig",
+           "TaskConfig", "TextEvent", "TextOutput", "TriggerConfig"]

@@ -1,0 +1,168 @@
+"""Batched model calls over paged KV: the only engine module that calls the model.
+
+Like nano-vllm's ``model_runner.py``: it prepares the inputs of one batched forward (padded embeds,
+the paged view), runs it, and commits the KV. It also counts the work done (vision calls, images
+encoded, prefilled tokens) so tests can assert what was shared.
+
+The model interface (``oxygen_ros/models``): ``dtype``, ``device`` and ``config`` with ``vlm_num_layers``, ``num_kv_heads``,
+``head_dim``, ``num_image_tokens``, ``prompt_mask``, ``eos_token_id``, ``action_horizon``,
+``action_dim``; ``encode_images(pixels [N,3,224,224]) -> [N, num_image_tokens, W]``;
+``embed_tokens(ids [B,T]) -> [B,T,W]``;
+``prefill(embeds, kv, bidirectional_lens, need_logits, return_hidden) -> logits | (logits, pooled)``;
+``denoise(kv, noise, num_steps, state)``; ``decode_step(token_ids, kv) -> logits [B,V]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from oxygen_ros.engine.block_pool import BlockPoolExhausted
+from oxygen_ros.engine.kv_cache_manager import KVCacheManager, KVSequence
+
+
+class Processor(Protocol):
+    """Pre/post-processing the engine needs from the model package."""
+
+    def images_to_pixels(self, images: Sequence[np.ndarray]) -> torch.Tensor:
+        """uint8 ``[H, W, 3]`` images -> float ``[N, 3, 224, 224]`` in [-1, 1] (resize with pad)."""
+
+    def prompt_ids(self, template: str, instruction: str, state: np.ndarray | None) -> list[int]:
+        """Token ids of ``template`` filled with the instruction (and the state where it has
+        ``{state}``), BOS included."""
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of generated token ids."""
+
+    def state_tensor(self, state: np.ndarray | None) -> torch.Tensor | None:
+        """Normalised, padded float32 state ``[action_dim]`` for models that take a continuous state
+        token (π0); None for models that read the state in the prompt (π0.5)."""
+
+    def actions_out(self, actions: torch.Tensor) -> np.ndarray:
+        """Model actions ``[H, action_dim]`` -> float32 robot actions (unnormalised, sliced)."""
+
+
+@dataclass
+class WorkCounters:
+    """Work done by the model since the last reset (tests assert sharing with these)."""
+
+    vision_calls: int = 0
+    images_encoded: int = 0
+    prefill_calls: int = 0
+    prefilled_tokens: int = 0
+    denoise_calls: int = 0
+    decode_steps: int = 0
+    decoded_tokens: int = 0
+
+
+@dataclass
+class PrefillRow:
+    """One row of a batched prefill: new tokens appended to ``seq``.
+
+    Attributes:
+        seq: KV sequence that receives the tokens (already holding any cached prefix).
+        embeds: ``[T, W]`` new-token embeddings.
+        bidirectional_len: how many of the new tokens form one bidirectional block (the rest causal).
+    """
+
+    seq: KVSequence
+    embeds: torch.Tensor
+    bidirectional_len: int
+
+
+class ModelRunner:
+    """Runs encode / prefill / denoise / decode step for the engine.
+
+    Args:
+        model: the VLA (see module docstring for the interface).
+        processor: its :class:`Processor`.
+        manager: KV-cache manager of the engine's pool.
+    """
+
+    def __init__(self, model: Any, processor: Processor, manager: KVCacheManager):
+        self.model = model
+        self.processor = processor
+        self.manager = manager
+        self.counters = WorkCounters()
+        self.device = manager.pool.k[0].device
+
+    @torch.inference_mode()
+    def encode(self, images: Sequence[np.ndarray]) -> torch.Tensor:
+        """One vision call for all ``images`` -> ``[N, num_image_tokens, W]``; N = 0 gives an empty
+        tensor without a call."""
+        if not images:
+            cfg = self.model.config
+            return torch.zeros((0, cfg.num_image_tokens, cfg.vlm_width), device=self.device)
+        pixels = self.processor.images_to_pixels(images).to(self.device)
+        self.counters.vision_calls += 1
+        self.counters.images_encoded += len(images)
+        return self.model.encode_images(pixels)
+
+    def embed_prompt(self, ids: Sequence[int]) -> torch.Tensor:
+        """``[T, W]`` embeddings of prompt token ids."""
+        with torch.inference_mode():
+            tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+            return self.model.embed_tokens(tensor)[0]
+
+    @torch.inference_mode()
+    def prefill(self, rows: list[PrefillRow], logits: bool,
+                pooled: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One batched prefill of ragged rows; each row's tokens are committed to its sequence.
+
+        Returns:
+            (fp32 logits ``[B, V]`` at each row's last new token or None,
+            pooled hidden state ``[B, W]`` or None).
+
+        Raises:
+            BlockPoolExhausted: the pool cannot hold the new tokens (nothing is written then).
+        """
+        lens = [row.embeds.shape[0] for row in rows]
+        needed = sum(self.manager.append_blocks_needed(r.seq, n) for r, n in zip(rows, lens))
+        if needed > self.manager.pool.num_free:
+            raise BlockPoolExhausted(f"prefill needs {needed} pages, {self.manager.pool.num_free} free")
+        for row, n in zip(rows, lens):
+            self.manager.prepare_append(row.seq, n)
+        width = rows[0].embeds.shape[1]
+        embeds = rows[0].embeds.new_zeros((len(rows), max(lens), width))
+        for b, row in enumerate(rows):
+            embeds[b, :lens[b]] = row.embeds
+        view = self.manager.view([row.seq for row in rows], lens)
+        bidirectional = torch.tensor([row.bidirectional_len for row in rows], dtype=torch.long)
+        out = self.model.prefill(embeds, view, bidirectional, need_logits=logits,
+                                 return_hidden=pooled)
+        view.commit()
+        self.counters.prefill_calls += 1
+        self.counters.prefilled_tokens += sum(lens)
+        logits_out, pooled_out = out if pooled else (out, None)
+        return (None if logits_out is None else logits_out.float()), pooled_out
+
+    @torch.inference_mode()
+    def denoise(self, seq: KVSequence, noise: torch.Tensor, num_steps: int,
+                state: torch.Tensor | None) -> torch.Tensor:
+        """Flow-matching actions ``[1, H, action_dim]`` from ``noise [1, H, action_dim]``, reading
+        ``seq``'s prefix KV through a read-only view (gathered once for all steps)."""
+        view = self.manager.view([seq])
+        self.counters.denoise_calls += 1
+        state_batch = None if state is None else state[None].to(self.device)
+        return self.model.denoise(view, noise.to(self.device), num_steps=num_steps,
+                                  state=state_batch)
+
+    @torch.inference_mode()
+    def decode_step(self, seqs: list[KVSequence], token_ids: list[int]) -> torch.Tensor:
+        """One batched decode step: append one token per sequence; fp32 logits ``[B, V]``.
+
+        The caller reserved the pages (admission charge) so allocation cannot fail here.
+        """
+        for seq in seqs:
+            self.manager.prepare_append(seq, 1)
+        view = self.manager.view(seqs, [1] * len(seqs))
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        logits = self.model.decode_step(ids, view)
+        view.commit()
+        self.counters.decode_steps += 1
+        self.counters.decoded_tokens += len(seqs)
+        return logits.float()
+

@@ -1,0 +1,100 @@
+"""One language request's state: prompt, pages, generated tokens, sampling, streaming, timings."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from oxygen_ros.engine.config import TaskConfig
+from oxygen_ros.engine.kv_cache_manager import KVSequence
+from oxygen_ros.engine.types import RequestStatus
+
+_request_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Request:
+    """A language request triggered by one observation.
+
+    Attributes:
+        task: the language task it belongs to.
+        obs_seq, stamp: the triggering observation's sequence number and stamp (s).
+        prompt_ids: the prompt's token ids.
+        image_tokens: image tokens of the prefix (present cameras x tokens per camera).
+        camera_mask: which configured camera slots were present (part of the prefix key).
+        image_features: ``[n_cams, num_image_tokens, W]`` vision encoding of the observation, shared
+            by every request of the frame; kept only until the request is prefilled, so a waiting
+            request can be prefilled in a later cycle. None in ``isolated`` mode.
+        images: the raw camera images, kept instead of features in ``isolated`` mode, where each
+            request runs its own vision encoding.
+        status: lifecycle (:class:`RequestStatus`).
+        kv: the request's own KV sequence once admitted (forked from the shared prefix).
+        charged_blocks: pages reserved at admission (worst case for the whole request).
+        output_ids: generated tokens; the last one is fed to the next decode step.
+        next_logits: fp32 ``[V]`` logits that sample the next token (from prefill or decode step).
+        generator: per-request ``torch.Generator`` for temperature sampling (None for greedy).
+        text: detokenized text so far.
+        t_arrival, t_first_token, t_finish: ``time.perf_counter()`` instants (s).
+        pooled: pooled prefix hidden state (memory tasks), or None.
+    """
+
+    task: TaskConfig
+    obs_seq: int
+    stamp: float
+    prompt_ids: list[int]
+    image_tokens: int
+    camera_mask: tuple[bool, ...]
+    t_arrival: float
+    image_features: torch.Tensor | None = None
+    images: list | None = None
+    request_id: int = field(default_factory=lambda: next(_request_ids))
+    status: RequestStatus = RequestStatus.WAITING
+    kv: KVSequence | None = None
+    charged_blocks: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    next_logits: torch.Tensor | None = None
+    generator: torch.Generator | None = None
+    text: str = ""
+    t_first_token: float | None = None
+    t_finish: float | None = None
+    pooled: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.task.sampling.temperature > 0:
+            self.generator = torch.Generator().manual_seed(self.task.sampling.seed + self.obs_seq)
+
+    @property
+    def prefix_len(self) -> int:
+        """Image tokens plus prompt tokens."""
+        return self.image_tokens + len(self.prompt_ids)
+
+    def stop_tokens(self, eos_token_id: int) -> tuple[int, ...]:
+        """The task's stop tokens, or the model's EOS when the task names none."""
+        return (eos_token_id,) if self.task.stop_token_ids is None else self.task.stop_token_ids
+
+    def is_done(self, eos_token_id: int) -> bool:
+        """Whether the last generated token ends the request (stop token or max new tokens)."""
+        if not self.output_ids:
+            return False
+        return len(self.output_ids) >= self.task.max_new_tokens or \
+            self.output_ids[-1] in self.stop_tokens(eos_token_id)
+
+    def text_ids(self, eos_token_id: int) -> list[int]:
+        """Generated tokens without a trailing stop token (what is detokenized)."""
+        if self.output_ids and self.output_ids[-1] in self.stop_tokens(eos_token_id):
+            return self.output_ids[:-1]
+        return self.output_ids
+
+
+def sample_tokens(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """Next token per request from fp32 ``logits [B, V]``: greedy argmax, or temperature sampling
+    with each request's own generator (reproducible per request, whatever the batch)."""
+    tokens = torch.argmax(logits, dim=-1).tolist()
+    for row, request in enumerate(requests):
+        temperature = request.task.sampling.temperature
+        if temperature > 0:
+            probs = torch.softmax(logits[row].float() / temperature, dim=-1)
+            tokens[row] = int(torch.multinomial(probs, 1, generator=request.generator))
+    return tokens

@@ -1,0 +1,213 @@
+"""Admission, preemption, cancellation and continuous batching of language requests.
+
+Like nano-vllm's scheduler, it holds a waiting and a running queue and decides; the engine runs the
+model. Memory policy (vLLM-style reservation, simplified to a worst case per request):
+
+* the action task's pages are reserved up front (``action_reserve_blocks``): language requests can
+  never take them, so every control cycle can prefill its prefix;
+* a language request is admitted only when the pool can hold its worst case
+  (``charge = pages(prefix_len + max_new_tokens - 1) + 1`` copy-on-write page) on top of every running
+  request's charge. Running requests therefore never run out of pages mid-decode, and the sum of
+  charges bounds pool use (sharing only makes real use smaller);
+* when a request does not fit, running requests of lower priority are preempted (status
+  ``preempted``) if that makes room; otherwise it waits (``admission: wait``, up to ``max_wait_s`` of
+  observation time) or ends as ``dropped`` (``admission: drop``, or a charge above the whole pool).
+
+The step-cost estimate is an EWMA per batch size of measured decode steps (and per prefilled token
+for prefills); the deadline-aware engine spends slack only on steps whose estimate fits.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from oxygen_ros.engine.config import EngineConfig
+from oxygen_ros.engine.kv_cache_manager import KVCacheManager
+from oxygen_ros.engine.request import Request
+from oxygen_ros.engine.types import RequestStatus
+
+
+class StepCostEstimator:
+    """Online cost estimates in seconds: decode steps per batch size, prefill per token.
+
+    ``estimate_decode(b)`` returns the EWMA for batch size ``b`` when measured, else the estimate of
+    the nearest larger measured batch (decode cost grows with the batch), else the largest smaller
+    measured batch scaled linearly by ``b / b_known`` (conservative), else None (nothing measured).
+
+    Args:
+        alpha: weight of the newest sample, in (0, 1].
+    """
+
+    def __init__(self, alpha: float):
+        self._alpha = alpha
+        self._decode: dict[int, float] = {}
+        self._prefill_per_token: float | None = None
+
+    def observe_decode(self, batch: int, seconds: float) -> None:
+        old = self._decode.get(batch)
+        self._decode[batch] = seconds if old is None else old + self._alpha * (seconds - old)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        sample = seconds / tokens
+        old = self._prefill_per_token
+        self._prefill_per_token = sample if old is None else old + self._alpha * (sample - old)
+
+    def estimate_decode(self, batch: int) -> float | None:
+        if batch in self._decode:
+            return self._decode[batch]
+        larger = [b for b in self._decode if b > batch]
+        if larger:
+            return self._decode[min(larger)]
+        if self._decode:
+            known = max(self._decode)
+            return self._decode[known] * batch / known
+        return None
+
+    def estimate_prefill(self, tokens: int) -> float | None:
+        return None if self._prefill_per_token is None else self._prefill_per_token * tokens
+
+
+class Scheduler:
+    """Waiting and running language requests over one KV pool.
+
+    Args:
+        config: the engine configuration (max batch size, queue bound).
+        manager: the KV-cache manager whose pages requests hold.
+        action_reserve_blocks: pages kept for the action task's prefix.
+
+    Raises:
+        ValueError: the pool is smaller than the action reserve.
+    """
+
+    def __init__(self, config: EngineConfig, manager: KVCacheManager, action_reserve_blocks: int):
+        if action_reserve_blocks > manager.pool.num_blocks:
+            raise ValueError(f"KV pool of {manager.pool.num_blocks} pages cannot reserve "
+                             f"{action_reserve_blocks} pages for the action task; raise "
+                             "kv_budget_bytes")
+        self._config = config
+        self._manager = manager
+        self.language_capacity = manager.pool.num_blocks - action_reserve_blocks
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.committed_blocks = 0
+        self._ended: list[Request] = []
+
+    def charge(self, request: Request) -> int:
+        """Worst-case pages of ``request``: prefix plus generated tokens plus one copy-on-write."""
+        return self._manager.blocks_for(request.prefix_len + request.task.max_new_tokens - 1) + 1
+
+    def add(self, request: Request) -> None:
+        """Queue a new request; past ``max_waiting`` the lowest-priority, oldest one is dropped."""
+        self.waiting.append(request)
+        if len(self.waiting) > self._config.max_waiting:
+            victim = min(self.waiting, key=lambda r: (r.task.priority, -r.t_arrival))
+            self.waiting.remove(victim)
+            self._end(victim, RequestStatus.DROPPED)
+
+    def admit(self, now_stamp: float, prefill_cost: Callable[[Request], int],
+              prefill_budget: float) -> list[Request]:
+        """Admit waiting requests by priority, then age, as far as pool and prefill budget allow.
+
+        Args:
+            now_stamp: stamp of the newest observation (s); waiting requests older than their
+                task's ``max_wait_s`` are dropped.
+            prefill_cost: tokens the engine must prefill to start a request (0 when its prefix is
+                already cached this cycle).
+            prefill_budget: tokens that may still be prefilled this cycle (``inf`` = no limit).
+
+        Returns:
+            The admitted requests, now RUNNING with their charge committed (the engine gives them
+            pages). Requests that end here (dropped, preempted) are reported by :meth:`drain_ended`.
+        """
+        admitted = []
+        for request in sorted(self.waiting, key=lambda r: (-r.task.priority, r.t_arrival)):
+            charge = self.charge(request)
+            if charge > self.language_capacity:
+                self._remove_waiting(request, RequestStatus.DROPPED)
+                continue
+            if now_stamp - request.stamp > request.task.max_wait_s:
+                self._remove_waiting(request, RequestStatus.DROPPED)
+                continue
+            cost = prefill_cost(request)
+            fits = self.committed_blocks + charge <= self.language_capacity or \
+                self._preempt_for(request, charge)
+            if fits and cost <= prefill_budget:
+                prefill_budget -= cost
+                self.waiting.remove(request)
+                request.status = RequestStatus.RUNNING
+                request.charged_blocks = charge
+                self.committed_blocks += charge
+                self.running.append(request)
+                admitted.append(request)
+            elif not fits and request.task.admission == "drop":
+                self._remove_waiting(request, RequestStatus.DROPPED)
+        return admitted
+
+    def decode_batch(self) -> list[Request]:
+        """The running requests one decode step advances: all of them up to ``max_batch_size``,
+        highest priority first, then oldest."""
+        ready = [r for r in self.running if r.kv is not None and r.output_ids]
+        ready.sort(key=lambda r: (-r.task.priority, r.t_arrival))
+        return ready[:self._config.max_batch_size]
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a running or waiting request with ``status``; its pages are released at once."""
+        if request in self.waiting:
+            self._remove_waiting(request, status)
+            return
+        if request not in self.running:
+            raise ValueError(f"request {request.request_id} is not active")
+        self.running.remove(request)
+        self.committed_blocks -= request.charged_blocks
+        request.charged_blocks = 0
+        self._end(request, status)
+
+    def find(self, request_id: int) -> Request | None:
+        """The active (waiting or running) request with this id, or None."""
+        for request in self.waiting + self.running:
+            if request.request_id == request_id:
+                return request
+        return None
+
+    def drain_ended(self) -> list[Request]:
+        """Requests that reached a terminal status since the last call, in order."""
+        ended, self._ended = self._ended, []
+        return ended
+
+    @property
+    def active(self) -> list[Request]:
+        return self.waiting + self.running
+
+    def _preempt_for(self, request: Request, charge: int) -> bool:
+        """Preempt lower-priority running requests if that makes room for ``charge`` pages."""
+        victims = sorted((r for r in self.running if r.task.priority < request.task.priority),
+                         key=lambda r: (r.task.priority, -r.t_arrival))
+        free = self.language_capacity - self.committed_blocks
+        chosen = []
+        for victim in victims:
+            if free >= charge:
+                break
+            chosen.append(victim)
+            free += victim.charged_blocks
+        if free < charge:
+            return False
+        for victim in chosen:
+            self.finish(victim, RequestStatus.PREEMPTED)
+        return True
+
+    def _remove_waiting(self, request: Request, status: RequestStatus) -> None:
+        self.waiting.remove(request)
+        self._end(request, status)
+
+    def _end(self, request: Request, status: RequestStatus) -> None:
+        if request.kv is not None:
+            self._manager.free(request.kv)
+            request.kv = None
+        request.image_features = None
+        request.images = None
+        request.status = status
+        request.t_finish = time.perf_counter()
+        self._ended.append(request)

@@ -1,0 +1,138 @@
+"""Plain Python objects exchanged between the engine and its callers (the ROS node, benchmarks).
+
+No ROS types appear here: the node converts messages to :class:`Observation` and publishes
+:class:`ActionChunk`, :class:`TextEvent` and :class:`MemoryEntry` objects.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+
+@dataclass
+class Observation:
+    """One robot observation: what every task of one control cycle reads.
+
+    Attributes:
+        images: camera slot name -> uint8 ``[H, W, 3]`` RGB image, or None when the camera is missing
+            or masked (its tokens are excluded from the prefix, never replaced by a black image).
+        instruction: the natural-language task instruction.
+        state: float32 ``[D]`` robot state in the robot's own units (rad, m), un-normalised; None if
+            the robot publishes none.
+        stamp: acquisition time in seconds (ROS time or ``time.monotonic()``); used by time triggers.
+        seq: monotonically increasing sequence number of the observation; also seeds the
+            flow-matching noise of its action chunk.
+
+    Raises:
+        ValueError: an image is not uint8 ``[H, W, 3]``, the state is not 1-D, or seq is negative.
+    """
+
+    images: Mapping[str, np.ndarray | None]
+    instruction: str
+    state: np.ndarray | None = None
+    stamp: float = 0.0
+    seq: int = 0
+
+    def __post_init__(self) -> None:
+        for slot, image in self.images.items():
+            if image is None:
+                continue
+            if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 \
+                    or image.shape[2] != 3:
+                shape = getattr(image, "shape", None)
+                dtype = getattr(image, "dtype", type(image).__name__)
+                raise ValueError(f"camera {slot!r}: expected uint8 [H, W, 3], got {dtype} {shape}")
+        if self.state is not None:
+            self.state = np.asarray(self.state, dtype=np.float32)
+            if self.state.ndim != 1:
+                raise ValueError(f"state must be a 1-D vector, got shape {self.state.shape}")
+        if self.seq < 0:
+            raise ValueError(f"seq must be >= 0, got {self.seq}")
+
+
+@dataclass
+class ActionChunk:
+    """The action task's output for one observation.
+
+    Attributes:
+        actions: float32 ``[H, action_dim]`` actions (unnormalised robot units when the engine has a
+            processor with norm stats, else the model's raw padded output).
+        seq, stamp: the observation they were computed from.
+        latency_s: seconds from the start of the control cycle to the chunk being ready.
+    """
+
+    actions: np.ndarray
+    seq: int
+    stamp: float
+    latency_s: float
+
+
+class RequestStatus(str, enum.Enum):
+    """Lifecycle of one language request; every request ends in exactly one terminal status."""
+
+    WAITING = "waiting"        # triggered, not yet admitted (pool or slack could not hold it)
+    RUNNING = "running"        # admitted: owns pages, advances one token per decode step
+    COMPLETED = "completed"    # stop token or max new tokens reached
+    CANCELLED = "cancelled"    # cancel() or a new instruction interrupted it
+    DROPPED = "dropped"        # never admitted: pool too small (drop policy) or waited too long
+    PREEMPTED = "preempted"    # evicted from the pool for a higher-priority request
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass
+class TextEvent:
+    """Streaming text of one language request.
+
+    Partial events (``final=False``) carry the newly decoded text ``delta``; exactly one final event
+    ends every request and carries the whole ``text`` and the terminal ``status``.
+
+    Attributes:
+        request_id: engine-wide unique request id.
+        task: the language task's name (``speech``, ``memory``, ...).
+        seq, stamp: the observation the request was triggered by.
+        delta: text added since the previous event of this request.
+        text: all text decoded so far.
+        token_ids: all tokens decoded so far.
+        final: True for the last event of the request.
+        status: request status at the time of the event.
+    """
+
+    request_id: int
+    task: str
+    seq: int
+    stamp: float
+    delta: str
+    text: str
+    token_ids: list[int]
+    final: bool
+    status: RequestStatus
+
+
+# A final text output is the final event of a request.
+TextOutput = TextEvent
+
+
+@dataclass
+class MemoryEntry:
+    """A completed memory-task caption, with the pooled prefix hidden state as its embedding.
+
+    Attributes:
+        request_id, task, seq, stamp: as in :class:`TextEvent`.
+        text: the caption.
+        embedding: float32 ``[W]`` pooled hidden state of the request's prefix, or None when the model
+            does not return one.
+    """
+
+    request_id: int
+    task: str
+    seq: int
+    stamp: float
+    text: str
+    embedding: np.ndarray | None = field(default=None, repr=False)
