@@ -1,0 +1,24 @@
+# Two entry points (README): `make demo` runs the main job, `make test` runs the tests. Both run the
+# idempotent set-up first (scripts/setup_env.sh: virtual environment, pinned deps, colcon build).
+SHELL := /bin/bash
+WITH_ENV := source scripts/env.sh &&
+
+.PHONY: setup test demo bench-model bench-engine clean
+
+setup:
+	@bash scripts/setup_env.sh
+
+test: setup
+	@$(WITH_ENV) pytest
+
+demo: setup
+	@$(WITH_ENV) python -m oxygen_ros.node.demo $(DEMO_ARGS)
+
+bench-model: setup
+	@$(WITH_ENV) oxygen-bench-model $(BENCH_ARGS)
+
+bench-engine: setup
+	@$(WITH_ENV) oxygen-bench-engine $(BENCH_ARGS)
+
+clean:
+	rm -rf build install log

