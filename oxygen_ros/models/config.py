@@ -43,6 +43,7 @@ class VLAConfig:
         min_period, max_period: sinusoidal time-embedding periods (openpi: 4e-3, 4.0).
         pad_token_id, eos_token_id, bos_token_id: tokenizer specials (PaliGemma: 0, 1, 2).
         dtype: ``'float32'`` or ``'bfloat16'`` default weight dtype.
+        tokenizer: ``'paligemma'`` (SentencePiece model from a local file) or ``'tiny'`` (built offline).
         seed: seed of the random initialisation used when no checkpoint is loaded.
 
     Raises:
@@ -80,6 +81,7 @@ class VLAConfig:
     eos_token_id: int = 1
     bos_token_id: int = 2
     dtype: str = "float32"
+    tokenizer: str = "paligemma"
     seed: int = 0
 
     def __post_init__(self):
@@ -89,6 +91,8 @@ class VLAConfig:
             raise ValueError(f"prompt_mask must be 'bidirectional' or 'causal', got {self.prompt_mask!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.tokenizer not in ("paligemma", "tiny"):
+            raise ValueError(f"tokenizer must be 'paligemma' or 'tiny', got {self.tokenizer!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2 or self.expert_width % 2:
@@ -126,7 +130,7 @@ def _tiny(name: str, variant: str) -> VLAConfig:
                      vlm_width=256, vlm_mlp_dim=1024, vlm_num_layers=4,
                      num_heads=4, num_kv_heads=1, head_dim=64,
                      expert_width=128, expert_mlp_dim=512,
-                     vocab_size=1024, action_horizon=10, max_token_len=64)
+                     vocab_size=1024, action_horizon=10, max_token_len=64, tokenizer="tiny")
 
 
 PRESETS: dict[str, VLAConfig] = {
