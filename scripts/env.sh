@@ -10,4 +10,6 @@ if [ "$OXYGEN_MODE" = wheels ]; then
     export CMAKE_PREFIX_PATH="$OXYGEN_VENV${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}" ;;
   esac
 fi
-source "$OXYGEN_ROOT/install/setup.bash"
+# The repository's own install space, when it has been built (`make setup`); in a colcon workspace
+# source the workspace's install/setup.bash instead.
+if [ -f "$OXYGEN_ROOT/install/setup.bash" ]; then source "$OXYGEN_ROOT/install/setup.bash"; fi
