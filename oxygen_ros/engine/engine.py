@@ -380,11 +380,14 @@ class Engine:
                 pending.append(job)
                 last = len(job.path) == depth
                 if depth == 1:
-                    seq = self._manager.new_sequence()
                     embeds = job.features.reshape(-1, job.features.shape[-1])
+                    # Images are one bidirectional block; the prompt joins it only in openpi's mask.
+                    bidirectional = embeds.shape[0]
                     if last:
                         embeds = torch.cat([embeds, self._runner.embed_prompt(job.prompt_ids)])
-                    rows.append(PrefillRow(seq, embeds, embeds.shape[0]))
+                        if self._model_cfg.prompt_mask == "bidirectional":
+                            bidirectional = embeds.shape[0]
+                    rows.append(PrefillRow(self._manager.new_sequence(), embeds, bidirectional))
                 else:
                     parent = self._tree.lookup(job.path[:1])
                     rows.append(PrefillRow(self._manager.fork(parent.seq),

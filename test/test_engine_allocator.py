@@ -1,0 +1,144 @@
+"""Property tests of the page allocator, copy-on-write forks and the prefix tree (hypothesis)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oxygen_ros.engine import BlockPool, BlockPoolExhausted, KVCacheManager, PrefixCache
+
+BLOCK = 4
+
+
+def _pool(num_blocks):
+    # 1 layer, 1 KV head, head_dim 2, fp32: 2 * 4 * 2 * 4 B = 64 B per page.
+    return BlockPool(1, 1, 2, BLOCK, budget_bytes=64 * num_blocks)
+
+
+def _check_pool(pool, live):
+    """Every page free xor referenced; reference counts equal the live block-table references."""
+    refs = [0] * pool.num_blocks
+    for seq in live:
+        for block in seq.block_table:
+            refs[block] += 1
+    assert [pool.ref_count(b) for b in range(pool.num_blocks)] == refs
+    assert all(r >= 0 for r in refs)
+    assert pool.num_free == refs.count(0)
+
+
+def _append(manager, seq, values):
+    """Append tokens whose K equals ``values`` through a paged view (as a model forward would)."""
+    manager.prepare_append(seq, len(values))
+    view = manager.view([seq], [len(values)])
+    k = torch.tensor(values, dtype=torch.float32).view(1, -1, 1, 1).expand(1, len(values), 1, 2)
+    view.write(0, k.contiguous(), k.contiguous())
+    view.commit()
+
+
+def _read(manager, seq):
+    k, _, valid = manager.view([seq]).read(0)
+    return k[0, valid[0], 0, 0].tolist()
+
+
+operations = st.lists(st.tuples(st.sampled_from(["new", "fork", "append", "free"]),
+                                st.integers(0, 7), st.integers(1, 9)), max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_blocks=st.integers(1, 12), ops=operations)
+def test_forks_never_see_each_other_and_counts_stay_exact(num_blocks, ops):
+    pool = _pool(num_blocks)
+    manager = KVCacheManager(pool)
+    live, expected = [], {}
+    token = 0.0
+    for op, pick, n in ops:
+        if op == "new" or not live:
+            seq = manager.new_sequence()
+            live.append(seq)
+            expected[id(seq)] = []
+        elif op == "fork":
+            parent = live[pick % len(live)]
+            child = manager.fork(parent)
+            live.append(child)
+            expected[id(child)] = list(expected[id(parent)])
+        elif op == "append":
+            seq = live[pick % len(live)]
+            values = [token + i for i in range(n)]
+            token += n
+            before = (list(seq.block_table), seq.num_tokens, pool.num_free)
+            if manager.append_blocks_needed(seq, n) > pool.num_free:
+                with pytest.raises(BlockPoolExhausted):
+                    manager.prepare_append(seq, n)
+                assert (seq.block_table, seq.num_tokens, pool.num_free) == before
+            else:
+                _append(manager, seq, values)
+                expected[id(seq)].extend(values)
+        else:
+            seq = live.pop(pick % len(live))
+            manager.free(seq)
+            del expected[id(seq)]
+        _check_pool(pool, live)
+        for seq in live:
+            if seq.num_tokens:
+                assert _read(manager, seq) == expected[id(seq)]
+    for seq in live:
+        manager.free(seq)
+    assert pool.num_free == pool.num_blocks
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_blocks=st.integers(1, 10), asks=st.lists(st.integers(0, 6), max_size=12))
+def test_allocation_is_all_or_nothing_at_the_budget(num_blocks, asks):
+    pool = _pool(num_blocks)
+    held = []
+    for n in asks:
+        free = pool.num_free
+        if n > free:
+            with pytest.raises(BlockPoolExhausted):
+                pool.allocate(n)
+            assert pool.num_free == free
+        else:
+            blocks = pool.allocate(n)
+            assert len(set(blocks)) == n and not set(blocks) & {b for h in held for b in h}
+            held.append(blocks)
+    for blocks in held:
+        pool.release(blocks)
+    assert pool.num_free == pool.num_blocks
+    if pool.num_blocks:
+        with pytest.raises(ValueError):
+            pool.release([0])
+
+
+def test_budget_below_one_page_is_an_error():
+    with pytest.raises(ValueError, match="below one page"):
+        BlockPool(2, 1, 64, 16, budget_bytes=100)
+
+
+@settings(max_examples=40, deadline=None)
+@given(prefix=st.integers(1, 11), prompts=st.lists(st.integers(1, 7), min_size=1, max_size=4))
+def test_prefix_tree_forks_share_images_and_free_on_last_reference(prefix, prompts):
+    pool = _pool(32)
+    manager = KVCacheManager(pool)
+    tree = PrefixCache(manager)
+    images = manager.new_sequence()
+    _append(manager, images, [float(i) for i in range(prefix)])
+    tree.insert((("images", 0),), images)
+    users = []
+    for p, length in enumerate(prompts):
+        fork = manager.fork(tree.lookup((("images", 0),)).seq)
+        values = [100.0 * (p + 1) + i for i in range(length)]
+        _append(manager, fork, values)
+        tree.insert((("images", 0), ("prompt", p)), fork)
+        users.append((manager.fork(fork), list(range(prefix)) + values))
+    assert len(tree) == 1 + len(prompts)
+    # Full image pages are stored once however many prompts fork them.
+    if prefix >= BLOCK:
+        assert pool.ref_count(images.block_table[0]) == 1 + 2 * len(prompts)
+    tree.clear()
+    for seq, values in users:
+        assert _read(manager, seq) == [float(v) for v in values]
+    for seq, _ in users:
+        manager.free(seq)
+    assert pool.num_free == pool.num_blocks
+    with pytest.raises(KeyError):
+        tree.insert((("images", 1), ("prompt", 0)), manager.new_sequence())
