@@ -21,6 +21,21 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 quiet_pip() { "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" 2>&1 \
   | { grep -v "is ignored: it is neither a file nor a directory" || true; }; return "${PIPESTATUS[0]}"; }
 
+# ---- 0. OSMesa, the CPU OpenGL that MuJoCo renders the demo's simulated cameras with ----------------
+# (`make demo`'s sim robot sets MUJOCO_GL=osmesa; EGL does not work on these machines). Installed with
+# apt-get when missing and this script runs as root (as on CI's fresh Debian); otherwise only a note.
+if ! ldconfig -p 2>/dev/null | grep -q 'libOSMesa\.so'; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    log "installing libosmesa6 (apt-get)"
+    mkdir -p "$ROOT/log"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libosmesa6; } \
+      >"$ROOT/log/apt-osmesa.log" 2>&1 || { tail -n 20 "$ROOT/log/apt-osmesa.log" >&2; log "apt-get install libosmesa6 failed"; exit 1; }
+  else
+    log "libOSMesa missing and apt-get unavailable or not root: skipped; the demo's simulated robot" \
+        "cannot render until libosmesa6 (or the distribution's OSMesa) is installed"
+  fi
+fi
+
 # ---- 1. virtual environment and dependencies -------------------------------------------------------
 req_hash=$OXYGEN_REQ_HASH
 stamp="$VENV/.oxygen-deps"
