@@ -1,9 +1,14 @@
 """π0.5 / π0 models: architecture, checkpoints, tokenizers and pre/post-processing (no ROS)."""
 
-from .checkpoint import load_model
-from .config import PRESETS, ROBOTS, NormStats, RobotConfig, VLAConfig, get_preset, get_robot, load_norm_stats
+from .checkpoint import CheckpointError, load_model, save_checkpoint
+from .config import (PRESETS, ROBOTS, NormStats, RobotConfig, VLAConfig, get_preset, get_robot, load_norm_stats,
+                     save_norm_stats)
 from .kv_cache import DenseKVCache, KVCacheView
+from .processing import Processor, build_prompt_tokens, resize_with_pad
+from .tokenizer import PaliGemmaTokenizer, TinyTokenizer, load_tokenizer
 from .vla import VLAModel, left_pack
 
-__all__ = ["PRESETS", "ROBOTS", "DenseKVCache", "KVCacheView", "NormStats", "RobotConfig", "VLAConfig", "VLAModel",
-           "get_preset", "get_robot", "left_pack", "load_model", "load_norm_stats"]
+__all__ = ["PRESETS", "ROBOTS", "CheckpointError", "DenseKVCache", "KVCacheView", "NormStats", "PaliGemmaTokenizer",
+           "Processor", "RobotConfig", "TinyTokenizer", "VLAConfig", "VLAModel", "build_prompt_tokens", "get_preset",
+           "get_robot", "left_pack", "load_model", "load_norm_stats", "load_tokenizer", "resize_with_pad",
+           "save_checkpoint", "save_norm_stats"]

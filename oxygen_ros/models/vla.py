@@ -146,24 +146,31 @@ class VLAModel(nn.Module):
         self.rope_inv_freq = self.rope_inv_freq.float()
         return self
 
-    def init_random(self, seed: int) -> "VLAModel":
-        """Deterministic random weights for tests and tiny presets (same seed ⇒ same weights).
+    def reset_buffers(self) -> None:
+        """Recompute the non-persistent buffers (RoPE frequencies, SigLIP position ids), e.g. after
+        ``to_empty`` of a model built on the meta device."""
+        self.rope_inv_freq = rope_inverse_frequencies(self.config.head_dim, self.config.rope_theta).to(self.device)
+        embeddings = self.vision_tower.embeddings
+        embeddings.position_ids = torch.arange(embeddings.num_positions, device=self.device)[None, :]
 
-        Matrices get N(0, 1/fan_in); biases, norm weights and embeddings N(0, 0.1²) / N(0, 1) so that
-        every path (including adaRMSNorm, zero-initialised in training) is exercised.
+    def init_random(self, seed: int) -> "VLAModel":
+        """Deterministic random weights for tests and tiny presets (same seed and device ⇒ same weights).
+
+        Matrices get N(0, 1/fan_in); the token embedding N(0, 1); LayerNorm scales 1 + N(0, 0.1²);
+        biases and Gemma norm parameters N(0, 0.1²), so that every path (including adaRMSNorm,
+        zero-initialised in training) is exercised.
         """
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
         with torch.no_grad():
             for name, param in self.named_parameters():
-                if name == "token_embedding.weight" or "position_embedding" in name:
-                    std = 1.0 / math.sqrt(param.shape[-1]) if "position" in name else 1.0
+                if name == "token_embedding.weight":
+                    std = 1.0
                 elif param.dim() >= 2:
                     std = 1.0 / math.sqrt(param[0].numel())
                 else:
                     std = 0.1
-                sample = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
-                if name.endswith("layer_norm1.weight") or name.endswith("layer_norm2.weight") \
-                        or name.endswith("post_layernorm.weight"):
+                sample = torch.randn(param.shape, generator=gen, dtype=torch.float32, device=self.device) * std
+                if name.endswith(("layer_norm1.weight", "layer_norm2.weight", "post_layernorm.weight")):
                     sample += 1.0
                 param.copy_(sample.to(param.dtype))
         return self
