@@ -479,17 +479,17 @@ class Engine:
         request.output_ids.append(token)
         self._cycle_tokens += 1
         eos = self._model_cfg.eos_token_id
+        if request.is_done(eos):
+            # The final event (from _report_ended) carries the last delta and the whole text.
+            self._scheduler.finish(request, RequestStatus.COMPLETED)
+            return
         text = self._processor.detokenize(request.text_ids(eos))
         if text.endswith("\ufffd"):   # an incomplete multi-byte character: wait for the rest
-            text = request.text
+            return
         delta = text[len(request.text):] if text.startswith(request.text) else text
         request.text = text
-        done = request.is_done(eos)
-        if delta and not done:
+        if delta:
             self._events.append(self._event(request, delta, final=False))
-        if done:
-            request.text = self._processor.detokenize(request.text_ids(eos))
-            self._scheduler.finish(request, RequestStatus.COMPLETED)
 
     # ---- helpers ----------------------------------------------------------------------------
 

@@ -1,0 +1,175 @@
+"""Memory policy (admission, drop, wait, preemption, cancel), triggers, sampling, streaming,
+fixed-k and deadline scheduling. No wall-clock assertions."""
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from oxygen_ros.engine import Engine, EngineConfig, RequestStatus
+from oxygen_ros.models import load_model
+from test_engine_support import SPEECH, ByteProcessor, engine_config, observation
+
+ONE_CAM = ("left_wrist_0_rgb",)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("pi05_tiny", dtype=torch.float32, seed=7)
+
+
+def _engine(model, tasks, **overrides):
+    return Engine(model, ByteProcessor(model.config), engine_config("unified", tasks, **overrides))
+
+
+def _statuses(events):
+    return {e.request_id: e.status for e in events if e.final}
+
+
+def test_pool_returns_to_empty_and_pages_free_at_once(model):
+    engine = _engine(model, [SPEECH])
+    for seq in range(3):
+        engine.run_cycle(observation(seq, masked=ONE_CAM))
+    assert engine.pool.num_used > 0                     # requests still decoding hold pages
+    running = [r for r in engine.active_requests if r.status == RequestStatus.RUNNING]
+    used = engine.pool.num_used
+    assert engine.cancel(running[-1].request_id)
+    assert engine.pool.num_used < used                  # freed at once, not at the next cycle
+    events, _ = engine.flush()
+    assert engine.pool.num_used == 0 and not engine.active_requests
+    assert RequestStatus.CANCELLED in _statuses(events).values()
+    assert engine.metrics()["peak_pool_bytes"] <= engine.metrics()["pool_capacity_bytes"]
+
+
+def test_too_small_budget_drops_or_waits_while_every_cycle_acts(model):
+    probe = _engine(model, [])
+    reserve = probe._action_reserve  # pages kept for the action task
+    page = probe.pool.bytes_per_block
+    # Room for the action reserve plus a bit more than one speech request.
+    budget = (reserve + 22) * page
+    for policy in ("drop", "wait"):
+        task = dict(SPEECH, admission=policy, max_new_tokens=12, max_wait_s=0.25)
+        engine = _engine(model, [task], kv_budget_bytes=budget, decode_steps_per_cycle=1)
+        events = []
+        for seq in range(6):
+            result = engine.run_cycle(observation(seq, masked=ONE_CAM))
+            assert result.action.actions.shape == (model.config.action_horizon, 32)
+            assert engine.pool.num_used <= engine.pool.num_blocks
+            events += result.text_events
+        events += engine.flush()[0]
+        statuses = list(_statuses(events).values())
+        assert len(statuses) == 6                        # every request ended with a status
+        assert RequestStatus.DROPPED in statuses and RequestStatus.COMPLETED in statuses
+        assert engine.pool.num_used == 0
+
+
+def test_higher_priority_preempts(model):
+    low = dict(SPEECH, name="chatter", priority=0, max_new_tokens=20)
+    # The pool holds one request at a time: alarm(0) runs first (priority), chatter(0) then runs,
+    # and alarm(3) must preempt it.
+    high = dict(SPEECH, name="alarm", priority=5, max_new_tokens=2,
+                trigger={"every_n_frames": 3})
+    probe = _engine(model, [])
+    budget = (probe._action_reserve + 26) * probe.pool.bytes_per_block
+    engine = _engine(model, [low, high], kv_budget_bytes=budget, decode_steps_per_cycle=1)
+    events = []
+    for seq in range(4):
+        events += engine.run_cycle(observation(seq, masked=ONE_CAM)).text_events
+    events += engine.flush()[0]
+    by_task = {(e.task, e.seq): e.status for e in events if e.final}
+    assert RequestStatus.PREEMPTED in [s for (t, _), s in by_task.items() if t == "chatter"]
+    assert by_task[("alarm", 0)] == by_task[("alarm", 3)] == RequestStatus.COMPLETED
+
+
+def test_new_instruction_cancels_speech(model):
+    task = dict(SPEECH, max_new_tokens=30, cancel_on_new_instruction=True,
+                trigger={"on_new_instruction": True})
+    engine = _engine(model, [task])
+    first = engine.run_cycle(observation(0, masked=ONE_CAM))
+    assert len(engine.active_requests) == 1
+    second = engine.run_cycle(observation(1, instruction="stop", masked=ONE_CAM))
+    final = [e for e in second.text_events if e.final]
+    assert [e.status for e in final] == [RequestStatus.CANCELLED]
+    assert final[0].seq == 0 and len(engine.active_requests) == 1
+    assert not [e for e in first.text_events if e.final]
+    engine.close()
+    assert engine.pool.num_used == 0
+    with pytest.raises(RuntimeError):
+        engine.run_cycle(observation(2))
+
+
+def test_streaming_partial_events_add_up_to_the_final_text(model):
+    engine = _engine(model, [dict(SPEECH, max_new_tokens=5)])
+    events = engine.run_cycle(observation(0, masked=ONE_CAM)).text_events
+    events += engine.flush()[0]
+    partial = [e for e in events if not e.final]
+    final = [e for e in events if e.final]
+    assert len(final) == 1 and final[0].status == RequestStatus.COMPLETED
+    assert "".join(e.delta for e in partial + final) == final[0].text
+    assert len(final[0].token_ids) == 5
+
+
+def test_fixed_k_runs_exactly_k_steps_per_cycle(model):
+    engine = _engine(model, [dict(SPEECH, max_new_tokens=30)], decode_steps_per_cycle=3)
+    for seq in range(3):
+        record = engine.run_cycle(observation(seq, masked=ONE_CAM)).record
+        assert record.decode_steps == 3
+        assert record.batch_sizes == [seq + 1] * 3      # cross-frame continuous batching
+    engine.close()
+
+
+def test_deadline_mode_spends_only_the_slack(model):
+    engine = _engine(model, [dict(SPEECH, max_new_tokens=30)], scheduling="deadline")
+    # A deadline already past: the action chunk still comes out, no decode step is taken.
+    record = engine.run_cycle(observation(0, masked=ONE_CAM), deadline=time.perf_counter()).record
+    assert record.decode_steps == 0 and record.deadline_missed
+    # A generous deadline: decode steps run (and are measured for the estimate).
+    record = engine.run_cycle(observation(1, masked=ONE_CAM),
+                              deadline=time.perf_counter() + 60.0).record
+    assert record.decode_steps > 0
+    assert engine._estimator.estimate_decode(2) is not None
+    engine.close()
+
+
+def test_triggers_and_seeded_sampling(model):
+    sampled = dict(SPEECH, name="sampled", trigger={"every_s": 0.25},
+                   sampling={"temperature": 1.0, "seed": 3})
+    runs = []
+    for _ in range(2):
+        engine = _engine(model, [sampled])
+        events = []
+        for seq in range(4):       # stamps 0.0, 0.1, 0.2, 0.3 s -> fires at 0.0 and 0.3
+            events += engine.run_cycle(observation(seq, masked=ONE_CAM)).text_events
+        events += engine.flush()[0]
+        runs.append({e.seq: e.token_ids for e in events if e.final})
+    assert sorted(runs[0]) == [0, 3]
+    assert runs[0] == runs[1]
+
+
+def test_config_validation_and_yaml(tmp_path):
+    path = tmp_path / "engine.yaml"
+    path.write_text("mode: shared_prefix\ncamera_slots: [a, b]\nlanguage_tasks:\n"
+                    "  - {name: speech, prompt_template: '{instruction}', "
+                    "trigger: {every_n_frames: 2}, stop_token_ids: [1, 7]}\n")
+    config = EngineConfig.from_yaml(path)
+    assert config.mode == "shared_prefix" and config.task("speech").stop_token_ids == (1, 7)
+    with pytest.raises(ValueError, match="unknown keys"):
+        EngineConfig.from_dict({"modes": "unified"})
+    with pytest.raises(ValueError, match="mode"):
+        EngineConfig.from_dict({"mode": "fast"})
+    with pytest.raises(ValueError, match="trigger"):
+        EngineConfig.from_dict({"language_tasks": [{"name": "x", "prompt_template": "{instruction}",
+                                                     "trigger": {}}]})
+    with pytest.raises(ValueError, match="unique"):
+        dataclasses.replace(config, language_tasks=config.language_tasks * 2)
+
+
+def test_bad_observation_is_a_clear_error(model):
+    engine = _engine(model, [])
+    with pytest.raises(ValueError, match="no camera"):
+        engine.run_cycle(observation(0, masked=("base_0_rgb", "left_wrist_0_rgb")))
+    obs = observation(1)
+    obs.images = {"top": obs.images["base_0_rgb"]}
+    with pytest.raises(ValueError, match="not in camera_slots"):
+        engine.run_cycle(obs)
