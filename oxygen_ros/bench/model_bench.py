@@ -1,0 +1,121 @@
+"""Model-layer benchmark: vision encoding, prefix prefill, denoising and batched decode-step latency.
+
+Run ``oxygen-bench-model`` (or ``python -m oxygen_ros.bench.model_bench``). Defaults: the tiny presets
+on CPU in fp32 with a 2-camera observation; ``--device cuda --dtype bfloat16 --presets pi05 pi0`` for the
+full presets on a GPU (random weights: timing does not depend on the values). Times are medians over
+``--repeats`` runs after ``--warmup`` runs, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from oxygen_ros.models import DenseKVCache, load_model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e3
+
+
+def bench_preset(preset: str, device: str, dtype: str, cameras: int, prompt_len: int, steps: int,
+                 decode_batch: int, warmup: int, repeats: int) -> dict[str, float]:
+    """Median latencies (ms) of one preset: ``vision``, ``prefill``, ``denoise``, ``cycle`` (all three
+    for one observation) and ``decode_step`` (a batch of ``decode_batch`` requests)."""
+    model = load_model(preset, dtype=dtype, device=device)
+    c, dev = model.config, model.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    pixels = torch.rand(cameras, 3, c.image_size, c.image_size, generator=gen, device=dev) * 2 - 1
+    ids = torch.randint(3, c.vocab_size, (1, prompt_len), generator=gen, device=dev)
+    noise = torch.randn(1, c.action_horizon, c.action_dim, generator=gen, device=dev)
+    state = torch.zeros(1, c.action_dim, device=dev) if c.variant == "pi0" else None
+
+    def vision():
+        return model.encode_images(pixels)[None]
+
+    images = vision()
+    embeds, lens, image_lens = model.embed_prefix(images, torch.ones(1, cameras, dtype=torch.bool, device=dev),
+                                                  ids, torch.ones(1, prompt_len, dtype=torch.bool, device=dev))
+    bidirectional = model.bidirectional_lens(lens, image_lens)
+
+    def prefill():
+        kv = DenseKVCache(c.vlm_num_layers, 1, c.num_kv_heads, c.head_dim, model.dtype, dev)
+        model.prefill(embeds, kv.begin(lens), bidirectional, need_logits=False)
+        kv.commit()
+        return kv
+
+    kv = prefill()
+
+    def denoise():
+        return model.denoise(kv.begin(None), noise, num_steps=steps, state=state)
+
+    def cycle():
+        img = vision()
+        emb, n, n_img = model.embed_prefix(img, torch.ones(1, cameras, dtype=torch.bool, device=dev), ids,
+                                           torch.ones(1, prompt_len, dtype=torch.bool, device=dev))
+        cache = DenseKVCache(c.vlm_num_layers, 1, c.num_kv_heads, c.head_dim, model.dtype, dev)
+        model.prefill(emb, cache.begin(n), model.bidirectional_lens(n, n_img), need_logits=False)
+        cache.commit()
+        return model.denoise(cache.begin(None), noise, num_steps=steps, state=state)
+
+    batch_embeds = embeds.expand(decode_batch, -1, -1)
+    batch_lens = lens.expand(decode_batch).contiguous()
+    decode_kv = DenseKVCache(c.vlm_num_layers, decode_batch, c.num_kv_heads, c.head_dim, model.dtype, dev)
+    model.prefill(batch_embeds, decode_kv.begin(batch_lens), batch_lens, need_logits=False)
+    decode_kv.commit()
+    tokens = torch.full((decode_batch,), 5, dtype=torch.long, device=dev)
+    ones = torch.ones(decode_batch, dtype=torch.long)
+
+    def decode_step():
+        # Not committed: every repeat decodes at the same position, so the cache does not grow.
+        return model.decode_step(tokens, decode_kv.begin(ones))
+
+    return {name: _median_ms(fn, dev, warmup, repeats)
+            for name, fn in (("vision", vision), ("prefill", prefill), ("denoise", denoise), ("cycle", cycle),
+                             ("decode_step", decode_step))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["pi05_tiny", "pi0_tiny"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--cameras", type=int, default=2)
+    parser.add_argument("--prompt-len", type=int, default=48, help="prompt tokens (π0.5 with state: ~45 tiny)")
+    parser.add_argument("--steps", type=int, default=10, help="Euler steps S")
+    parser.add_argument("--decode-batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"device={args.device} dtype={args.dtype} cameras={args.cameras} prompt={args.prompt_len} "
+          f"S={args.steps} decode_batch={args.decode_batch} threads={torch.get_num_threads()}")
+    print(f"{'preset':<12}{'vision':>10}{'prefill':>10}{'denoise':>10}{'cycle':>10}{'decode':>10}   (ms, median)")
+    for preset in args.presets:
+        r = bench_preset(preset, args.device, args.dtype, args.cameras, args.prompt_len, args.steps,
+                         args.decode_batch, args.warmup, args.repeats)
+        print(f"{preset:<12}{r['vision']:>10.1f}{r['prefill']:>10.1f}{r['denoise']:>10.1f}{r['cycle']:>10.1f}"
+              f"{r['decode_step']:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
