@@ -1,0 +1,306 @@
+"""A simulated ALOHA robot for the demo: gym-aloha's bimanual ViperX scene in MuJoCo, rendered on the CPU.
+
+The scene is the PyPI package gym-aloha's ``assets/bimanual_viperx_transfer_cube.xml`` (two ViperX 300s
+arms, a red cube on the table). The node behaves like the real robot's drivers:
+
+* publishes the cameras ``top``, ``left_wrist`` and ``right_wrist`` as ``sensor_msgs/Image`` (rgb8) on
+  ``cameras/<camera>/image_raw`` (sensor-data QoS), stamped with the node clock when the image was
+  rendered. Rendering costs ~70-160 ms per image on a laptop-class CPU whatever the resolution, so the
+  cameras are rendered round robin at a modest ``camera_rate_hz`` each, on a thread of their own;
+* publishes the 14 joint states on ``joint_states`` at ``joint_state_rate_hz``, named and scaled as
+  gym-aloha's ``JOINTS``: per arm 6 joint positions [rad] and the gripper's normalised opening
+  (0 closed, 1 open), velocities in [rad/s] and [1/s];
+* executes the action chunks it receives on ``action_chunk_topic`` (``oxygen_ros/msg/ActionChunk``):
+  action i of a chunk is applied at ``header.stamp + i * dt`` (the newest chunk wins, the last action
+  is held after a chunk runs out), as absolute joint position targets for the scene's position
+  actuators — 6 joints [rad] and the normalised gripper per arm, matched by ``action_names`` when they
+  name gym-aloha's joints, else the first 14 dimensions in that order — clipped to the actuators'
+  control ranges. The physics runs in real time (2 ms MuJoCo steps, ``control_period_s`` per action).
+
+Rendering needs an OpenGL: ``MUJOCO_GL=osmesa`` (set here when unset; ``libosmesa6``, installed by
+``scripts/setup_env.sh``). Command line: ``python -m oxygen_ros.node.sim_robot [--ros-args ...]``.
+"""
+
+from __future__ import annotations
+
+import os
+
+# MuJoCo picks its OpenGL backend when it is imported: OSMesa is the one that works without a display.
+os.environ.setdefault("MUJOCO_GL", "osmesa")
+os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
+
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import mujoco  # noqa: E402
+import numpy as np  # noqa: E402
+import rclpy  # noqa: E402
+from gym_aloha.constants import (ASSETS_DIR, JOINTS, START_ARM_POSE,  # noqa: E402
+                                 normalize_puppet_gripper_position, normalize_puppet_gripper_velocity,
+                                 unnormalize_puppet_gripper_position)
+from gym_aloha.utils import sample_box_pose  # noqa: E402
+from rclpy.executors import ExternalShutdownException  # noqa: E402
+from rclpy.node import Node  # noqa: E402
+from rclpy.qos import qos_profile_sensor_data  # noqa: E402
+from sensor_msgs.msg import Image, JointState  # noqa: E402
+
+from oxygen_ros.msg import ActionChunk  # noqa: E402
+
+SCENE = ASSETS_DIR / "bimanual_viperx_transfer_cube.xml"
+CAMERAS = ("top", "left_wrist", "right_wrist")
+# qpos / ctrl layout of the scene: per arm 6 joints then the two gripper fingers (left +, right -).
+_ARM_QPOS = (slice(0, 6), slice(8, 14))
+_FINGER_QPOS = (6, 14)
+_GRIPPER_INDEX = (6, 13)  # in the 14-vector of JOINTS
+
+
+class AlohaScene:
+    """gym-aloha's transfer-cube scene in MuJoCo, without ROS: state, actions, physics, rendering.
+
+    Thread-safety: :meth:`step`, :meth:`set_action`, :meth:`joint_state` and :meth:`render` may be called
+    from different threads; a lock guards the MuJoCo data, and the costly rasterisation in
+    :meth:`render` runs outside it.
+
+    Args:
+        width, height: camera image size [px].
+        seed: seed of the cube's random start pose.
+    """
+
+    def __init__(self, width: int = 320, height: int = 240, seed: int = 0):
+        self.model = mujoco.MjModel.from_xml_path(str(SCENE))
+        self.data = mujoco.MjData(self.model)
+        self.data.qpos[:16] = START_ARM_POSE
+        self.data.qpos[-7:] = sample_box_pose(seed)
+        self.data.ctrl[:] = START_ARM_POSE
+        mujoco.mj_forward(self.model, self.data)
+        self._ctrl_low, self._ctrl_high = self.model.actuator_ctrlrange.T.copy()
+        self._renderer = mujoco.Renderer(self.model, height, width)
+        self._lock = threading.Lock()
+
+    @property
+    def physics_dt(self) -> float:
+        """MuJoCo step [s] (2 ms in this scene)."""
+        return float(self.model.opt.timestep)
+
+    @property
+    def sim_time(self) -> float:
+        """Simulated time since the start [s]."""
+        return float(self.data.time)
+
+    def set_action(self, action: np.ndarray) -> None:
+        """Set position targets from a float ``[14]`` action in gym-aloha's ``JOINTS`` order and units.
+
+        Arm joints in [rad], grippers normalised (0 closed, 1 open); clipped to the actuator ranges.
+        """
+        action = np.asarray(action, dtype=np.float64)
+        ctrl = np.empty(self.model.nu)
+        for arm in range(2):
+            ctrl[_ARM_QPOS[arm]] = action[7 * arm: 7 * arm + 6]
+            finger = unnormalize_puppet_gripper_position(float(np.clip(action[7 * arm + 6], 0.0, 1.0)))
+            ctrl[_FINGER_QPOS[arm]] = finger
+            ctrl[_FINGER_QPOS[arm] + 1] = -finger
+        ctrl = np.clip(np.nan_to_num(ctrl), self._ctrl_low, self._ctrl_high)
+        with self._lock:
+            self.data.ctrl[:] = ctrl
+
+    def step(self, duration_s: float) -> None:
+        """Advance the physics by ``duration_s`` [s] (rounded to whole MuJoCo steps)."""
+        n = max(1, round(duration_s / self.physics_dt))
+        with self._lock:
+            mujoco.mj_step(self.model, self.data, nstep=n)
+
+    def joint_state(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(position, velocity)``, float64 ``[14]`` each, in gym-aloha's ``JOINTS`` order.
+
+        Arm joints: [rad], [rad/s]; grippers: normalised opening (0..1) and its rate [1/s].
+        """
+        with self._lock:
+            qpos, qvel = self.data.qpos.copy(), self.data.qvel.copy()
+        position, velocity = np.empty(14), np.empty(14)
+        for arm in range(2):
+            position[7 * arm: 7 * arm + 6] = qpos[_ARM_QPOS[arm]]
+            velocity[7 * arm: 7 * arm + 6] = qvel[_ARM_QPOS[arm]]
+            position[_GRIPPER_INDEX[arm]] = normalize_puppet_gripper_position(qpos[_FINGER_QPOS[arm]])
+            velocity[_GRIPPER_INDEX[arm]] = normalize_puppet_gripper_velocity(qvel[_FINGER_QPOS[arm]])
+        return position, velocity
+
+    def render(self, camera: str) -> np.ndarray:
+        """The image of ``camera`` now: uint8 ``[height, width, 3]`` RGB."""
+        with self._lock:
+            self._renderer.update_scene(self.data, camera=camera)
+        return self._renderer.render()
+
+    def close(self) -> None:
+        """Free the renderer's OpenGL context."""
+        self._renderer.close()
+
+
+def _chunk_to_aloha(msg: ActionChunk) -> np.ndarray:
+    """ActionChunk -> float64 ``[H, 14]`` in gym-aloha's ``JOINTS`` order.
+
+    Raises:
+        ValueError: the chunk has fewer than 14 dimensions or inconsistent sizes.
+    """
+    horizon, dim = int(msg.horizon), int(msg.action_dim)
+    actions = np.asarray(msg.actions, dtype=np.float64)
+    if horizon == 0 or actions.size != horizon * dim:
+        raise ValueError(f"{actions.size} values for horizon {horizon} x dimension {dim}")
+    actions = actions.reshape(horizon, dim)
+    names = list(msg.action_names)
+    if set(JOINTS) <= set(names):
+        return actions[:, [names.index(joint) for joint in JOINTS]]
+    if dim < len(JOINTS):
+        raise ValueError(f"{dim} action dimensions; ALOHA needs {len(JOINTS)}")
+    return actions[:, :len(JOINTS)]
+
+
+class SimRobot(Node):
+    """ROS 2 node around :class:`AlohaScene` (topics and parameters: see the module docstring).
+
+    Parameters (read at start): ``camera_rate_hz`` (images per second per camera, default 1.0),
+    ``width`` / ``height`` [px] (default 320 x 240), ``joint_state_rate_hz`` (default 50.0),
+    ``control_period_s`` (physics update period, default 0.02 s, gym-aloha's 50 Hz),
+    ``action_chunk_topic`` (default ``oxygen_node/action_chunk``), ``seed`` (cube pose, default 0).
+
+    Args:
+        node_name: the node's name.
+        **kwargs: forwarded to ``rclpy.node.Node`` (``context=``, ``parameter_overrides=`` ...).
+
+    Threads: the physics loop and the camera loop run on their own threads (started here, ended by
+    :meth:`close`, which ``destroy_node`` calls); executor callbacks only store the newest chunk.
+    """
+
+    def __init__(self, node_name: str = "aloha_sim", **kwargs):
+        super().__init__(node_name, **kwargs)
+        self.camera_rate_hz = self.declare_parameter("camera_rate_hz", 1.0).value
+        width = self.declare_parameter("width", 320).value
+        height = self.declare_parameter("height", 240).value
+        self.joint_state_rate_hz = self.declare_parameter("joint_state_rate_hz", 50.0).value
+        self.control_period_s = self.declare_parameter("control_period_s", 0.02).value
+        chunk_topic = self.declare_parameter("action_chunk_topic", "oxygen_node/action_chunk").value
+        seed = self.declare_parameter("seed", 0).value
+
+        self.scene = AlohaScene(width=width, height=height, seed=seed)
+        self._image_pubs = {camera: self.create_publisher(Image, f"cameras/{camera}/image_raw",
+                                                          qos_profile_sensor_data)
+                            for camera in CAMERAS}
+        self._joint_pub = self.create_publisher(JointState, "joint_states", 10)
+        self.create_subscription(ActionChunk, chunk_topic, self._on_chunk, 10)
+
+        self._chunk: tuple[float, float, np.ndarray] | None = None  # (stamp [s], dt [s], [H, 14])
+        self._chunk_lock = threading.Lock()
+        self.chunks_received = 0
+        self.chunks_rejected = 0
+        self.images_published = {camera: 0 for camera in CAMERAS}
+        self.actions_applied = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._physics_loop, name="aloha_physics", daemon=True),
+                         threading.Thread(target=self._camera_loop, name="aloha_cameras", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+        self.get_logger().info(
+            f"ALOHA scene {SCENE.name}: cameras {', '.join(CAMERAS)} at {self.camera_rate_hz:g} Hz each "
+            f"({width}x{height}), 14 joint states at {self.joint_state_rate_hz:g} Hz, actions from {chunk_topic}")
+
+    def _now_s(self) -> float:
+        return self.get_clock().now().nanoseconds * 1e-9
+
+    def _on_chunk(self, msg: ActionChunk) -> None:
+        try:
+            actions = _chunk_to_aloha(msg)
+        except ValueError as err:
+            self.chunks_rejected += 1
+            self.get_logger().warning(f"action chunk rejected: {err}", throttle_duration_sec=5.0)
+            return
+        stamp = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
+        dt = msg.dt if msg.dt > 0 else self.control_period_s
+        with self._chunk_lock:
+            if self._chunk is None or stamp >= self._chunk[0]:
+                self._chunk = (stamp, dt, actions)
+        self.chunks_received += 1
+
+    def _current_action(self, now_s: float) -> np.ndarray | None:
+        """The action due now: index ``floor((now - stamp) / dt)`` of the newest chunk, clamped."""
+        with self._chunk_lock:
+            chunk = self._chunk
+        if chunk is None:
+            return None
+        stamp, dt, actions = chunk
+        index = int(np.clip((now_s - stamp) // dt, 0, len(actions) - 1))
+        return actions[index]
+
+    def _physics_loop(self) -> None:
+        period = self.control_period_s
+        joint_period = 1.0 / self.joint_state_rate_hz
+        next_tick = next_joint = time.monotonic()
+        while not self._stop.is_set():
+            action = self._current_action(self._now_s())
+            if action is not None:
+                self.scene.set_action(action)
+                self.actions_applied += 1
+            self.scene.step(period)
+            now = time.monotonic()
+            if now >= next_joint:
+                self._publish_joint_state()
+                next_joint += joint_period * max(1, int((now - next_joint) // joint_period) + 1)
+            next_tick += period
+            # Real time: sleep to the next tick; after a stall (CPU contention) skip ahead, not catch up.
+            delay = next_tick - time.monotonic()
+            if delay < -10 * period:
+                next_tick = time.monotonic()
+            self._stop.wait(max(0.0, delay))
+
+    def _publish_joint_state(self) -> None:
+        position, velocity = self.scene.joint_state()
+        msg = JointState(name=list(JOINTS), position=position.tolist(), velocity=velocity.tolist())
+        msg.header.stamp = self.get_clock().now().to_msg()
+        self._joint_pub.publish(msg)
+
+    def _camera_loop(self) -> None:
+        period = 1.0 / (self.camera_rate_hz * len(CAMERAS))
+        next_render = time.monotonic()
+        index = 0
+        while not self._stop.is_set():
+            camera = CAMERAS[index % len(CAMERAS)]
+            stamp = self.get_clock().now()
+            pixels = self.scene.render(camera)
+            msg = Image(height=pixels.shape[0], width=pixels.shape[1], encoding="rgb8",
+                        is_bigendian=0, step=pixels.shape[1] * 3, data=pixels.tobytes())
+            msg.header.stamp = stamp.to_msg()
+            msg.header.frame_id = f"{camera}_camera"
+            self._image_pubs[camera].publish(msg)
+            self.images_published[camera] += 1
+            index += 1
+            next_render = max(next_render + period, time.monotonic())
+            self._stop.wait(max(0.0, next_render - time.monotonic()))
+
+    def close(self) -> None:
+        """Stop the physics and camera threads and free the renderer; idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        self.scene.close()
+
+    def destroy_node(self) -> None:
+        self.close()
+        super().destroy_node()
+
+
+def main(args: list[str] | None = None) -> int:
+    """``python -m oxygen_ros.node.sim_robot``: run the simulated robot until Ctrl-C or SIGTERM."""
+    rclpy.init(args=args)
+    robot = SimRobot()
+    try:
+        rclpy.spin(robot)
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        robot.destroy_node()
+        rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""The demo's simulated ALOHA robot: rendered cameras and joint states out, action chunks executed."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import spin_until
+
+pytestmark = pytest.mark.ros
+
+
+def test_sim_robot_publishes_cameras_and_joints_and_executes_chunks(ros_context):
+    pytest.importorskip("gym_aloha")
+    from rclpy.executors import MultiThreadedExecutor
+    from rclpy.node import Node
+    from rclpy.qos import qos_profile_sensor_data
+    from sensor_msgs.msg import Image, JointState
+
+    from oxygen_ros.msg import ActionChunk
+    from oxygen_ros.node.sim_robot import CAMERAS, SimRobot
+
+    robot = SimRobot(context=ros_context, parameter_overrides=[])
+    probe = Node("probe", context=ros_context)
+    images: dict[str, Image] = {}
+    joints: list[JointState] = []
+    for camera in CAMERAS:
+        probe.create_subscription(Image, f"/cameras/{camera}/image_raw",
+                                  lambda msg, c=camera: images.__setitem__(c, msg), qos_profile_sensor_data)
+    probe.create_subscription(JointState, "/joint_states", joints.append, 10)
+    chunk_pub = probe.create_publisher(ActionChunk, "/oxygen_node/action_chunk", 10)
+    executor = MultiThreadedExecutor(num_threads=2, context=ros_context)
+    executor.add_node(robot)
+    executor.add_node(probe)
+    try:
+        assert spin_until(executor, lambda: len(images) == 3 and len(joints) > 5, timeout=20.0)
+        for camera, image in images.items():
+            assert (image.height, image.width, image.encoding, image.step) == (240, 320, "rgb8", 960)
+            pixels = np.frombuffer(bytes(image.data), dtype=np.uint8)
+            assert pixels.size == 240 * 960 and pixels.std() > 5.0, camera  # a real scene, not a blank
+        state = joints[-1]
+        assert len(state.name) == 14 and len(state.position) == 14 and state.name[0] == "left_arm_waist"
+        start_waist = state.position[0]
+
+        # Hold the left waist at +0.4 rad for the whole chunk (10 actions of 0.1 s), everything else as is.
+        target = np.array(state.position)
+        target[0] = 0.4
+        chunk = ActionChunk(action_names=list(state.name), horizon=10, action_dim=14, dt=0.1,
+                            actions=np.tile(target, 10).astype(np.float32).tolist(), observation_seq=1)
+        chunk.header.stamp = robot.get_clock().now().to_msg()
+        chunk_pub.publish(chunk)
+        assert spin_until(executor, lambda: abs(joints[-1].position[0] - 0.4) < 0.1, timeout=10.0), \
+            f"left waist went from {start_waist:.3f} to {joints[-1].position[0]:.3f} rad, target 0.4"
+        assert robot.chunks_received >= 1 and robot.chunks_rejected == 0
+
+        # A chunk the robot cannot execute is counted and ignored.
+        chunk_pub.publish(ActionChunk(horizon=2, action_dim=7, dt=0.1, actions=[0.0] * 14))
+        assert spin_until(executor, lambda: robot.chunks_rejected == 1, timeout=5.0)
+    finally:
+        executor.shutdown()
+        robot.destroy_node()
+        probe.destroy_node()
