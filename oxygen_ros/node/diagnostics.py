@@ -1,0 +1,167 @@
+"""Engine and input health: ``~/status`` (oxygen_ros/EngineStatus) and ``/diagnostics``.
+
+:class:`StatusTracker` is fed by the control-cycle thread (one :meth:`StatusTracker.record_cycle` per
+cycle, one :meth:`StatusTracker.record_skip` per cycle without an observation) and read by the status
+timer on the executor thread (:meth:`StatusTracker.window`). Rates are per wall-clock second over the
+last status period (inference is compute-bound: wall time is what matters for throughput).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from builtin_interfaces.msg import Time
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from oxygen_ros.msg import EngineStatus
+
+from oxygen_ros.engine.metrics import CycleRecord
+
+
+@dataclass
+class StatusWindow:
+    """Figures of one status period plus running totals since activation."""
+
+    period_s: float = 0.0
+    chunks: int = 0
+    frame_latency_sum_s: float = 0.0
+    action_latency_sum_s: float = 0.0
+    tokens: int = 0
+    skipped: int = 0
+    last_skip_reason: str = ""
+    errors: int = 0
+    last_error: str = ""
+    frames_total: int = 0
+    deadline_misses_total: int = 0
+    dropped_requests_total: int = 0
+    pool_peak_bytes: int = 0
+    active_requests: int = 0
+    waiting_requests: int = 0
+
+
+class StatusTracker:
+    """Thread-safe aggregation of cycle records between two status publications."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._current = StatusWindow()
+        self._window_start = time.perf_counter()
+
+    def reset(self) -> None:
+        """Start from zero (on activate)."""
+        with self._lock:
+            self._current = StatusWindow()
+            self._window_start = time.perf_counter()
+
+    def record_cycle(self, record: CycleRecord, dropped_requests: int, pool_used_bytes: int, active: int,
+                     waiting: int) -> None:
+        """Account one control cycle that published a chunk."""
+        with self._lock:
+            w = self._current
+            w.chunks += 1
+            w.frame_latency_sum_s += record.frame_latency_s
+            w.action_latency_sum_s += record.action_latency_s
+            w.tokens += record.generated_tokens
+            w.frames_total += 1
+            w.deadline_misses_total += int(record.deadline_missed)
+            w.dropped_requests_total += dropped_requests
+            w.pool_peak_bytes = max(w.pool_peak_bytes, record.pool_used_bytes, pool_used_bytes)
+            w.active_requests, w.waiting_requests = active, waiting
+
+    def record_skip(self, reason: str) -> None:
+        """Account a cycle that had no usable observation."""
+        with self._lock:
+            self._current.skipped += 1
+            self._current.last_skip_reason = reason
+
+    def record_error(self, error: str) -> None:
+        """Account a cycle that failed in the engine."""
+        with self._lock:
+            self._current.errors += 1
+            self._current.last_error = error
+
+    def window(self) -> StatusWindow:
+        """The figures since the previous call; the running totals carry over."""
+        now = time.perf_counter()
+        with self._lock:
+            done = self._current
+            done.period_s = now - self._window_start
+            self._current = StatusWindow(
+                frames_total=done.frames_total, deadline_misses_total=done.deadline_misses_total,
+                dropped_requests_total=done.dropped_requests_total, pool_peak_bytes=done.pool_peak_bytes,
+                active_requests=done.active_requests, waiting_requests=done.waiting_requests)
+            self._window_start = now
+        return done
+
+
+def engine_status_msg(w: StatusWindow, stamp: Time, horizon: int, dropped_frames: int, pool_used_bytes: int,
+                      pool_capacity_bytes: int) -> EngineStatus:
+    """``oxygen_ros/EngineStatus`` of one status window (see msg/EngineStatus.msg for units)."""
+    msg = EngineStatus()
+    msg.header.stamp = stamp
+    mean_frame = w.frame_latency_sum_s / w.chunks if w.chunks else 0.0
+    msg.action_rate = horizon / mean_frame if mean_frame > 0 else 0.0
+    msg.chunk_rate = w.chunks / w.period_s if w.period_s > 0 else 0.0
+    msg.cycle_latency_mean = w.action_latency_sum_s / w.chunks if w.chunks else 0.0
+    msg.tokens_per_second = w.tokens / w.period_s if w.period_s > 0 else 0.0
+    msg.frames = w.frames_total
+    msg.deadline_misses = w.deadline_misses_total
+    msg.dropped_frames = dropped_frames
+    msg.dropped_requests = w.dropped_requests_total
+    msg.active_language_requests = w.active_requests
+    msg.waiting_language_requests = w.waiting_requests
+    msg.kv_pool_used_bytes = pool_used_bytes
+    msg.kv_pool_peak_bytes = max(w.pool_peak_bytes, pool_used_bytes)
+    msg.kv_pool_capacity_bytes = pool_capacity_bytes
+    return msg
+
+
+def diagnostic_array(node_name: str, hardware_id: str, lifecycle_state: str, status: EngineStatus | None,
+                     w: StatusWindow | None, drops: dict[str, int], camera_ages: dict[str, float | None],
+                     target_rate_hz: float) -> DiagnosticArray:
+    """``/diagnostics``: one status for the engine, one for the inputs.
+
+    Levels: engine ERROR when not active or a cycle failed in the period, WARN when cycles were skipped
+    (no usable observation) or the chunk rate is below half the target; inputs WARN when inputs were
+    dropped or a camera has no frame yet.
+    """
+    array = DiagnosticArray()
+    stamp = status.header.stamp if status is not None else Time()
+    array.header.stamp = stamp
+
+    engine = DiagnosticStatus(name=f"{node_name}: engine", hardware_id=hardware_id)
+    if status is None or w is None:
+        engine.level, engine.message = DiagnosticStatus.ERROR, f"not active ({lifecycle_state})"
+    else:
+        if w.errors:
+            engine.level, engine.message = DiagnosticStatus.ERROR, f"{w.errors} cycles failed: {w.last_error}"
+        elif w.skipped:
+            engine.level, engine.message = DiagnosticStatus.WARN, f"{w.skipped} cycles skipped: {w.last_skip_reason}"
+        elif status.chunk_rate < 0.5 * target_rate_hz:
+            engine.level, engine.message = DiagnosticStatus.WARN, \
+                f"chunk rate {status.chunk_rate:.2f} Hz below half the target {target_rate_hz:.2f} Hz"
+        else:
+            engine.level, engine.message = DiagnosticStatus.OK, "running"
+        for slot in EngineStatus.get_fields_and_field_types():
+            if slot != "header":
+                engine.values.append(KeyValue(key=slot, value=f"{getattr(status, slot):.6g}"
+                                              if isinstance(getattr(status, slot), float)
+                                              else str(getattr(status, slot))))
+        engine.values.append(KeyValue(key="skipped_cycles", value=str(w.skipped)))
+    engine.values.append(KeyValue(key="lifecycle_state", value=lifecycle_state))
+
+    inputs = DiagnosticStatus(name=f"{node_name}: inputs", hardware_id=hardware_id)
+    missing = [slot for slot, age in camera_ages.items() if age is None]
+    if drops:
+        inputs.level, inputs.message = DiagnosticStatus.WARN, f"{sum(drops.values())} inputs dropped"
+    elif missing and status is not None:
+        inputs.level, inputs.message = DiagnosticStatus.WARN, f"no frame yet from {missing}"
+    else:
+        inputs.level, inputs.message = DiagnosticStatus.OK, "ok"
+    for slot, age in camera_ages.items():
+        inputs.values.append(KeyValue(key=f"camera {slot} age [s]", value="none" if age is None else f"{age:.3f}"))
+    for reason, count in sorted(drops.items()):
+        inputs.values.append(KeyValue(key=f"dropped {reason}", value=str(count)))
+    array.status = [engine, inputs]
+    return array

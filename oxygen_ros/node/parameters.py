@@ -1,0 +1,279 @@
+"""ROS parameters of ``oxygen_node``: declarations with descriptors, and their validated values.
+
+Every parameter is declared with a :class:`ParameterDescriptor` (description, range, read-only where a
+change needs a reconfigure: model, topics, camera slots, rates, engine). Arrays are typed ROS arrays
+(``string[]``, ``bool[]``), never comma-separated strings. Per-camera arrays (``camera_slots``,
+``camera_transports``, ``camera_reliability``, ``camera_required``) are parallel to ``camera_topics``.
+
+Read-only parameters are read once, in ``configure``; the rest (``staleness_limit_s``,
+``max_instruction_chars``) may be changed at run time with ``ros2 param set``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
+from rclpy.exceptions import ParameterUninitializedException
+from rclpy.node import Node
+from rclpy.parameter import Parameter
+
+TRANSPORTS = ("raw", "compressed")
+RELIABILITIES = ("best_effort", "reliable")
+TRAJECTORY_STAMP_POLICIES = ("now", "observation")
+
+
+def _float_range(low: float, high: float) -> list[FloatingPointRange]:
+    return [FloatingPointRange(from_value=low, to_value=high, step=0.0)]
+
+
+def _int_range(low: int, high: int) -> list[IntegerRange]:
+    return [IntegerRange(from_value=low, to_value=high, step=1)]
+
+
+# name -> (default or Parameter.Type for an array that may be empty, description, range kwargs, read_only)
+_DECLARATIONS: dict[str, tuple] = {
+    # ---- lifecycle
+    "autostart": (True, "configure and activate on start-up, without a lifecycle manager", {}, True),
+    # ---- model
+    "preset": ("pi05_tiny", "model preset: pi05, pi0, pi05_tiny or pi0_tiny", {}, True),
+    "checkpoint": ("", "local checkpoint directory; empty = the preset's seeded random weights", {}, True),
+    "tokenizer_path": ("", "local PaliGemma SentencePiece model (full presets); empty for tiny presets", {},
+                       True),
+    "norm_stats_path": ("", "openpi norm_stats.json of the robot; empty = data already normalised", {}, True),
+    "norm_mode": ("quantile", "state/action normalisation: quantile (pi0.5) or mean_std (pi0)", {}, True),
+    "device": ("cpu", "torch device, e.g. cpu, cuda, cuda:0", {}, True),
+    "dtype": ("float32", "weight dtype: float32 or bfloat16", {}, True),
+    "seed": (0, "seed of the random weights when no checkpoint is given", {"integer_range": _int_range(0, 2**31 - 1)},
+             True),
+    # ---- robot
+    "joint_names": (Parameter.Type.STRING_ARRAY,
+                    "joints of the robot state vector, in order, matched by name in "
+                    "sensor_msgs/JointState (required: pi0 and pi0.5 read the state)", {}, True),
+    "action_dim": (7, "D: action dimensions kept from the model's padded 32",
+                   {"integer_range": _int_range(1, 32)}, True),
+    "action_dt_s": (0.05, "time between consecutive actions of a chunk (the policy's action period) [s]",
+                    {"floating_point_range": _float_range(1e-4, 10.0)}, True),
+    "action_names": (Parameter.Type.STRING_ARRAY,
+                     "name of each of the D action dimensions; empty = joint_names when it has D entries, "
+                     "else action_0 ... action_{D-1}", {}, True),
+    # ---- inputs
+    "camera_topics": (["camera/image_raw"], "camera topics (relative names resolve in the node's namespace)",
+                      {}, True),
+    "camera_slots": (["base_0_rgb"], "model camera slot of each camera topic (openpi image keys)", {}, True),
+    "camera_transports": (["raw"], "per camera: raw (sensor_msgs/Image) or compressed "
+                          "(sensor_msgs/CompressedImage, JPEG or PNG)", {}, True),
+    "camera_reliability": (["best_effort"], "per camera subscription reliability: best_effort (sensor-data "
+                           "QoS) or reliable", {}, True),
+    "camera_required": ([True], "per camera: true = a stale or missing frame skips the cycle (no new action "
+                        "chunk); false = the slot is masked", {}, True),
+    "staleness_limit_s": (0.5, "frames and joint states received longer ago than this (node clock) are not "
+                          "used [s]", {"floating_point_range": _float_range(0.001, 3600.0)}, False),
+    "instruction_topic": ("instruction", "std_msgs/String instruction topic (reliable, transient local, "
+                          "depth 1)", {}, True),
+    "default_instruction": ("", "instruction used until one arrives on the instruction topic", {}, True),
+    "max_instruction_chars": (1000, "longer instructions are dropped (counted, with a warning)",
+                              {"integer_range": _int_range(1, 1_000_000)}, False),
+    "joint_states_topic": ("joint_states", "sensor_msgs/JointState topic", {}, True),
+    # ---- rates and engine
+    "control_rate_hz": (2.0, "control cycles (action chunks) per second [Hz]",
+                        {"floating_point_range": _float_range(0.01, 1000.0)}, True),
+    "num_denoise_steps": (10, "flow-matching Euler steps per action chunk",
+                          {"integer_range": _int_range(1, 100)}, True),
+    "status_rate_hz": (1.0, "~/status and /diagnostics publications per second [Hz]",
+                       {"floating_point_range": _float_range(0.01, 100.0)}, True),
+    "engine.mode": ("unified", "isolated, shared_prefix or unified", {}, True),
+    "engine.scheduling": ("deadline", "deadline (decode in the slack) or fixed_k", {}, True),
+    "engine.decode_steps_per_cycle": (5, "k of fixed_k scheduling", {"integer_range": _int_range(1, 1000)}, True),
+    "engine.kv_budget_mb": (64, "KV pool budget [MiB]", {"integer_range": _int_range(1, 1_000_000)}, True),
+    "engine.block_size": (16, "tokens per KV page", {"integer_range": _int_range(1, 1024)}, True),
+    "engine.max_batch_size": (64, "most language requests per batched decode step",
+                              {"integer_range": _int_range(1, 4096)}, True),
+    # ---- language tasks
+    "speech.enabled": (True, "run the speech task (~/speech, ~/speech_text)", {}, True),
+    "speech.trigger_every_n_frames": (0, "start an utterance every n control cycles; 0 = off",
+                                      {"integer_range": _int_range(0, 1_000_000)}, True),
+    "speech.trigger_every_s": (0.0, "start an utterance every this many seconds of observation stamps; 0 = off",
+                               {"floating_point_range": _float_range(0.0, 86400.0)}, True),
+    "speech.trigger_on_new_instruction": (True, "start an utterance when the instruction changes", {}, True),
+    "speech.cancel_on_new_instruction": (True, "a new instruction cancels the utterance in flight", {}, True),
+    "speech.max_new_tokens": (16, "most tokens per utterance", {"integer_range": _int_range(1, 4096)}, True),
+    "speech.prompt_template": ("", "prompt with {instruction} (and optionally {state}); empty = the "
+                               "model's language prompt", {}, True),
+    "memory.enabled": (True, "run the memory task (~/memory)", {}, True),
+    "memory.trigger_every_s": (2.0, "a memory entry every this many seconds of observation stamps [s]",
+                               {"floating_point_range": _float_range(0.01, 86400.0)}, True),
+    "memory.max_new_tokens": (8, "most caption tokens per memory entry", {"integer_range": _int_range(1, 4096)},
+                              True),
+    "memory.prompt_template": ("", "caption prompt with {instruction}; empty = the model's language prompt",
+                               {}, True),
+    # ---- outputs
+    "frame_id": ("", "header.frame_id of ActionChunk and JointTrajectory (the robot's base frame)", {}, True),
+    "publish_trajectory": (False, "also publish trajectory_msgs/JointTrajectory on ~/joint_trajectory", {},
+                           True),
+    "trajectory_joint_names": (Parameter.Type.STRING_ARRAY,
+                               "action dimensions (by name) sent in the JointTrajectory; empty = all", {}, True),
+    "trajectory_stamp_policy": ("now", "JointTrajectory header.stamp: now (stamp 0: the controller starts "
+                                "on receipt) or observation (the observation's stamp: point i is due at "
+                                "observation + (i+1)*dt, so the inference latency is accounted for)", {}, True),
+}
+
+
+@dataclass(frozen=True)
+class CameraSettings:
+    """One camera input: topic, model slot, message type, QoS reliability, whether it is required."""
+
+    topic: str
+    slot: str
+    transport: str
+    reliability: str
+    required: bool
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """Validated values of the read-only parameters, read once per ``configure``.
+
+    Raises (from :func:`read_settings`):
+        ValueError: inconsistent values (lengths of the per-camera arrays, unknown enum values, ...),
+            with the parameter named in the message.
+    """
+
+    preset: str
+    checkpoint: str
+    tokenizer_path: str
+    norm_stats_path: str
+    norm_mode: str
+    device: str
+    dtype: str
+    seed: int
+    joint_names: tuple[str, ...]
+    action_dim: int
+    action_dt_s: float
+    action_names: tuple[str, ...]
+    cameras: tuple[CameraSettings, ...]
+    instruction_topic: str
+    default_instruction: str
+    joint_states_topic: str
+    control_rate_hz: float
+    num_denoise_steps: int
+    status_rate_hz: float
+    engine_mode: str
+    engine_scheduling: str
+    decode_steps_per_cycle: int
+    kv_budget_bytes: int
+    block_size: int
+    max_batch_size: int
+    speech_enabled: bool
+    speech_every_n_frames: int
+    speech_every_s: float
+    speech_on_new_instruction: bool
+    speech_cancel_on_new_instruction: bool
+    speech_max_new_tokens: int
+    speech_prompt_template: str
+    memory_enabled: bool
+    memory_every_s: float
+    memory_max_new_tokens: int
+    memory_prompt_template: str
+    frame_id: str
+    publish_trajectory: bool
+    trajectory_joint_names: tuple[str, ...]
+    trajectory_stamp_policy: str
+
+    @property
+    def control_period_s(self) -> float:
+        """Control period [s]."""
+        return 1.0 / self.control_rate_hz
+
+    @property
+    def model_id(self) -> str:
+        """Identifies the weights: ``preset`` or ``preset@checkpoint``, plus device and dtype."""
+        weights = f"{self.preset}@{self.checkpoint}" if self.checkpoint else f"{self.preset}(seed {self.seed})"
+        return f"{weights} {self.dtype} {self.device}"
+
+
+def declare_parameters(node: Node) -> None:
+    """Declare every parameter of ``oxygen_node`` on ``node`` with its descriptor."""
+    for name, (default, description, ranges, read_only) in _DECLARATIONS.items():
+        descriptor = ParameterDescriptor(description=description, read_only=read_only, **ranges)
+        node.declare_parameter(name, default, descriptor)
+
+
+def _value(node: Node, name: str):
+    try:
+        return node.get_parameter(name).value
+    except ParameterUninitializedException:   # an array declared by type only, and not set: empty
+        return []
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"parameter {name}: {value!r} is not one of {list(allowed)}")
+    return value
+
+
+def read_settings(node: Node) -> NodeSettings:
+    """Read and validate the parameters of ``node`` (declared by :func:`declare_parameters`).
+
+    Raises:
+        ValueError: an invalid or inconsistent value; the message names the parameter.
+    """
+    v = {name: _value(node, name) for name in _DECLARATIONS}
+    topics = list(v["camera_topics"])
+    if not topics:
+        raise ValueError("parameter camera_topics: at least one camera is needed")
+    for name in ("camera_slots", "camera_transports", "camera_reliability", "camera_required"):
+        if len(v[name]) != len(topics):
+            raise ValueError(f"parameter {name}: {len(v[name])} entries, camera_topics has {len(topics)}")
+    if len(set(v["camera_slots"])) != len(topics):
+        raise ValueError(f"parameter camera_slots: slots must be unique, got {list(v['camera_slots'])}")
+    cameras = tuple(CameraSettings(topic, slot, _choice("camera_transports", transport, TRANSPORTS),
+                                   _choice("camera_reliability", reliability, RELIABILITIES), bool(required))
+                    for topic, slot, transport, reliability, required in
+                    zip(topics, v["camera_slots"], v["camera_transports"], v["camera_reliability"],
+                        v["camera_required"]))
+    joint_names = tuple(v["joint_names"])
+    if not joint_names:
+        raise ValueError("parameter joint_names: list the joints of the robot state (pi0/pi0.5 read the state)")
+    if len(set(joint_names)) != len(joint_names):
+        raise ValueError(f"parameter joint_names: names must be unique, got {list(joint_names)}")
+    action_dim = int(v["action_dim"])
+    action_names = tuple(v["action_names"])
+    if not action_names:
+        action_names = joint_names if len(joint_names) == action_dim else \
+            tuple(f"action_{i}" for i in range(action_dim))
+    if len(action_names) != action_dim:
+        raise ValueError(f"parameter action_names: {len(action_names)} names for action_dim {action_dim}")
+    trajectory_names = tuple(v["trajectory_joint_names"]) or action_names
+    unknown = set(trajectory_names) - set(action_names)
+    if unknown:
+        raise ValueError(f"parameter trajectory_joint_names: {sorted(unknown)} are not in action_names")
+    if v["speech.enabled"] and not (v["speech.trigger_every_n_frames"] or v["speech.trigger_every_s"]
+                                    or v["speech.trigger_on_new_instruction"]):
+        raise ValueError("speech is enabled but has no trigger: set speech.trigger_every_n_frames, "
+                         "speech.trigger_every_s or speech.trigger_on_new_instruction")
+    return NodeSettings(
+        preset=v["preset"], checkpoint=v["checkpoint"], tokenizer_path=v["tokenizer_path"],
+        norm_stats_path=v["norm_stats_path"],
+        norm_mode=_choice("norm_mode", v["norm_mode"], ("quantile", "mean_std")),
+        device=v["device"], dtype=_choice("dtype", v["dtype"], ("float32", "bfloat16")), seed=int(v["seed"]),
+        joint_names=joint_names, action_dim=action_dim,
+        action_dt_s=float(v["action_dt_s"]), action_names=action_names, cameras=cameras,
+        instruction_topic=v["instruction_topic"], default_instruction=v["default_instruction"],
+        joint_states_topic=v["joint_states_topic"], control_rate_hz=float(v["control_rate_hz"]),
+        num_denoise_steps=int(v["num_denoise_steps"]), status_rate_hz=float(v["status_rate_hz"]),
+        engine_mode=v["engine.mode"], engine_scheduling=v["engine.scheduling"],
+        decode_steps_per_cycle=int(v["engine.decode_steps_per_cycle"]),
+        kv_budget_bytes=int(v["engine.kv_budget_mb"]) * 2**20, block_size=int(v["engine.block_size"]),
+        max_batch_size=int(v["engine.max_batch_size"]),
+        speech_enabled=bool(v["speech.enabled"]), speech_every_n_frames=int(v["speech.trigger_every_n_frames"]),
+        speech_every_s=float(v["speech.trigger_every_s"]),
+        speech_on_new_instruction=bool(v["speech.trigger_on_new_instruction"]),
+        speech_cancel_on_new_instruction=bool(v["speech.cancel_on_new_instruction"]),
+        speech_max_new_tokens=int(v["speech.max_new_tokens"]), speech_prompt_template=v["speech.prompt_template"],
+        memory_enabled=bool(v["memory.enabled"]), memory_every_s=float(v["memory.trigger_every_s"]),
+        memory_max_new_tokens=int(v["memory.max_new_tokens"]), memory_prompt_template=v["memory.prompt_template"],
+        frame_id=v["frame_id"], publish_trajectory=bool(v["publish_trajectory"]),
+        trajectory_joint_names=trajectory_names,
+        trajectory_stamp_policy=_choice("trajectory_stamp_policy", v["trajectory_stamp_policy"],
+                                        TRAJECTORY_STAMP_POLICIES))
