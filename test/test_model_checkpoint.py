@@ -73,7 +73,8 @@ def test_missing_and_unexpected_keys_are_listed(pi05, tmp_path):
 def test_bf16_load_keeps_norms_fp32(pi05, tmp_path):
     save_checkpoint(pi05, tmp_path, "lerobot")
     model = load_model("pi05_tiny", tmp_path, dtype="bfloat16")
-    assert model.dtype == torch.bfloat16 and model.vision_tower.embeddings.patch_embedding.weight.dtype == torch.bfloat16
+    assert model.dtype == torch.bfloat16
+    assert model.vision_tower.embeddings.patch_embedding.weight.dtype == torch.bfloat16
     norms = [p for m in model.modules() if isinstance(m, (RMSNorm, AdaRMSNorm)) for p in m.parameters()]
     assert norms and all(p.dtype == torch.float32 for p in norms)
     logits, actions = _run(model)

@@ -376,8 +376,9 @@ class VLAModel(nn.Module):
         steps = c.num_steps if num_steps is None else int(num_steps)
         if steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {steps}")
-        if noise.dim() != 3 or noise.shape[2] != c.action_dim or noise.shape[0] != kv.cached_lens.shape[0]:
-            raise ValueError(f"noise must be [B={kv.cached_lens.shape[0]}, H, {c.action_dim}], got {tuple(noise.shape)}")
+        batch = kv.cached_lens.shape[0]
+        if noise.dim() != 3 or noise.shape[2] != c.action_dim or noise.shape[0] != batch:
+            raise ValueError(f"noise must be [B={batch}, H, {c.action_dim}], got {tuple(noise.shape)}")
         b, horizon = noise.shape[:2]
         self._check_state(state, b)
         dt = -1.0 / steps
