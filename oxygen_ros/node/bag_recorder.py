@@ -209,7 +209,7 @@ class BagWriter:
         self.close()
 
 
-def _message_class(msgtype: str):
+def message_class(msgtype: str):
     """The rclpy message class of ``pkg/msg/Name``."""
     pkg, kind, name = msgtype.split("/")
     return getattr(importlib.import_module(f"{pkg}.{kind}"), name)
@@ -285,7 +285,7 @@ class BagRecorder(Node):
                 continue
             msgtype = types[0]
             try:
-                cls = _message_class(msgtype)
+                cls = message_class(msgtype)
                 self.writer.add_topic(topic, msgtype, [_qos_to_bag(p.qos_profile) for p in publishers])
             except (ImportError, AttributeError, KeyError) as err:
                 self._skipped.add(topic)
