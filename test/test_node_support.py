@@ -1,0 +1,205 @@
+"""Support of the node tests (no tests here): one OxygenNode and a robot-side test node in one rclpy context,
+spun by an executor on a background thread, over real Fast DDS on loopback.
+
+The robot side publishes camera frames, joint states and the instruction (at ``publish_hz``, each
+stream switchable) and records everything the node publishes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+JOINTS = ["joint_1", "joint_2", "joint_3", "joint_4", "joint_5", "joint_6", "gripper"]
+
+
+def tiny_parameters(**changes) -> list:
+    """``config/pi05_tiny.yaml`` as parameter overrides, with ``changes`` (dotted names) applied."""
+    from rclpy.parameter import Parameter
+
+    data = yaml.safe_load((REPO_ROOT / "config" / "pi05_tiny.yaml").read_text())["oxygen_node"]["ros__parameters"]
+
+    def flat(mapping, prefix=""):
+        for key, value in mapping.items():
+            if isinstance(value, dict):
+                yield from flat(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    values = dict(flat(data))
+    values.update(changes)
+    return [Parameter(name, value=value) for name, value in values.items()]
+
+
+def wait_for(condition, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Poll ``condition()`` until true or ``timeout`` [s]; return its last value."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(interval)
+    return bool(condition())
+
+
+def raw_image(height=24, width=32, encoding="rgb8", step=None, stamp=None, data=None):
+    """A ``sensor_msgs/Image`` of random pixels (``step`` defaults to the unpadded row size)."""
+    from sensor_msgs.msg import Image
+
+    channels = {"rgb8": 3, "bgr8": 3, "rgba8": 4, "bgra8": 4, "mono8": 1}.get(encoding, 3)
+    step = width * channels if step is None else step
+    if data is None:
+        data = np.random.default_rng(0).integers(0, 256, height * step, dtype=np.uint8).tobytes()
+    msg = Image(height=height, width=width, encoding=encoding, step=step, data=data)
+    if stamp is not None:
+        msg.header.stamp = stamp
+    return msg
+
+
+def jpeg_image(height=24, width=32, stamp=None):
+    """A ``sensor_msgs/CompressedImage`` holding a valid JPEG."""
+    import cv2
+    from sensor_msgs.msg import CompressedImage
+
+    pixels = np.random.default_rng(1).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    ok, encoded = cv2.imencode(".jpg", pixels)
+    assert ok
+    msg = CompressedImage(format="jpeg", data=encoded.tobytes())
+    if stamp is not None:
+        msg.header.stamp = stamp
+    return msg
+
+
+class Harness:
+    """OxygenNode + robot side in one context; :meth:`close` shuts everything down.
+
+    Args:
+        parameter_overrides: the node's parameters (see :func:`tiny_parameters`).
+        publish_hz: rate of the robot side's camera / joint-state streams [Hz].
+        cam1_reliable: whether the robot side's wrist-camera publisher is reliable.
+    """
+
+    def __init__(self, parameter_overrides, publish_hz: float = 10.0, cam1_reliable: bool = True):
+        import rclpy
+        from rclpy.context import Context
+        from rclpy.executors import SingleThreadedExecutor
+        from rclpy.node import Node
+        from rclpy.qos import (DurabilityPolicy, QoSProfile, ReliabilityPolicy,
+                               qos_profile_sensor_data)
+        from sensor_msgs.msg import CompressedImage, Image, JointState
+        from std_msgs.msg import String
+        from diagnostic_msgs.msg import DiagnosticArray
+        from oxygen_ros.msg import ActionChunk, EngineStatus, MemoryEntry, Speech
+        from trajectory_msgs.msg import JointTrajectory
+
+        from oxygen_ros.node.oxygen_node import OxygenNode
+
+        self.context = Context()
+        rclpy.init(context=self.context)
+        self.node = OxygenNode(context=self.context, parameter_overrides=parameter_overrides)
+        self.robot = Node("robot_side", context=self.context)
+        reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+        self.cam0 = self.robot.create_publisher(Image, "camera/image_raw", qos_profile_sensor_data)
+        self.cam1 = self.robot.create_publisher(CompressedImage, "wrist_camera/image_raw/compressed",
+                                                reliable if cam1_reliable else qos_profile_sensor_data)
+        self.joints = self.robot.create_publisher(JointState, "joint_states", qos_profile_sensor_data)
+        self.instruction = self.robot.create_publisher(String, "instruction", QoSProfile(
+            depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL))
+        self.received: dict[str, list] = {name: [] for name in
+                                          ("chunk", "trajectory", "speech", "speech_text", "memory", "status",
+                                           "diagnostics")}
+        self.received_times: dict[str, list[float]] = {name: [] for name in self.received}
+        for name, msg_type, topic, depth in (
+                ("chunk", ActionChunk, "oxygen_node/action_chunk", 10),
+                ("trajectory", JointTrajectory, "oxygen_node/joint_trajectory", 10),
+                ("speech", Speech, "oxygen_node/speech", 100),
+                ("speech_text", String, "oxygen_node/speech_text", 10),
+                ("memory", MemoryEntry, "oxygen_node/memory", 10),
+                ("status", EngineStatus, "oxygen_node/status", 10),
+                ("diagnostics", DiagnosticArray, "/diagnostics", 10)):
+            qos = QoSProfile(depth=depth, reliability=ReliabilityPolicy.RELIABLE)
+            self.robot.create_subscription(msg_type, topic, lambda msg, name=name: self._record(name, msg), qos)
+        self.publish_cam0 = True
+        self.publish_cam1 = True
+        self.publish_joints = True
+        self.zero_stamps = False
+        self.joint_positions = [0.1, -0.2, 0.3, -0.4, 0.5, -0.6, 0.02]
+        self.sent_stamps: set[tuple[int, int]] = set()
+        self._frame_index = 0
+        self._change_state = None
+        self._publish_hz = publish_hz
+        self.robot.create_timer(1.0 / publish_hz, self._publish_inputs)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.node)
+        self.executor.add_node(self.robot)
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+        self._thread.start()
+
+    def _spin(self) -> None:
+        from rclpy.executors import ExternalShutdownException
+
+        try:
+            self.executor.spin()
+        except ExternalShutdownException:
+            pass
+
+    def _record(self, name: str, msg) -> None:
+        self.received[name].append(msg)
+        self.received_times[name].append(time.monotonic())
+
+    def _publish_inputs(self) -> None:
+        from builtin_interfaces.msg import Time
+        from sensor_msgs.msg import JointState
+
+        # Distinct stamps far from the wall clock (so output stamps can only come from these frames),
+        # advancing like a real camera's.
+        self._frame_index += 1
+        nanoseconds = 1_000 * 10**9 + round(self._frame_index * 1e9 / self._publish_hz) + 123_456
+        stamp = Time() if self.zero_stamps else Time(sec=nanoseconds // 10**9, nanosec=nanoseconds % 10**9)
+        self.sent_stamps.add((stamp.sec, stamp.nanosec))
+        if self.publish_cam0:
+            self.cam0.publish(raw_image(stamp=stamp))
+        if self.publish_cam1:
+            self.cam1.publish(jpeg_image(stamp=stamp))
+        if self.publish_joints:
+            self.joints.publish(JointState(name=JOINTS, position=self.joint_positions))
+
+    def change_state(self, label: str, timeout: float = 30.0) -> bool:
+        """Request lifecycle transition ``label`` (configure, activate, deactivate, cleanup, shutdown)
+        through the node's ``change_state`` service, as a lifecycle manager does; True on success."""
+        from lifecycle_msgs.msg import Transition
+        from lifecycle_msgs.srv import ChangeState
+
+        if self._change_state is None:
+            self._change_state = self.robot.create_client(ChangeState, "oxygen_node/change_state")
+        assert self._change_state.wait_for_service(timeout_sec=10.0)
+        label = {"shutdown": self._shutdown_label()}.get(label, label)
+        future = self._change_state.call_async(ChangeState.Request(transition=Transition(label=label)))
+        assert wait_for(future.done, timeout), f"no answer to {label}"
+        return future.result().success
+
+    def _shutdown_label(self) -> str:
+        return {"unconfigured": "unconfigured_shutdown", "inactive": "inactive_shutdown",
+                "active": "active_shutdown"}[self.node.lifecycle_state]
+
+    def count(self, name: str) -> int:
+        return len(self.received[name])
+
+    def drops(self, reason: str) -> int:
+        return self.node.input_drops().get(reason, 0)
+
+    def chunks_flow(self, timeout: float = 10.0, n: int = 2) -> bool:
+        """True when ``n`` more action chunks arrive within ``timeout`` [s]."""
+        start = self.count("chunk")
+        return wait_for(lambda: self.count("chunk") >= start + n, timeout)
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=1.0)
+        if self.node.lifecycle_state != "finalized":
+            self.node.release()
+        self.node.destroy_node()
+        self.robot.destroy_node()
+        self.context.try_shutdown()
+        self._thread.join(timeout=5.0)
