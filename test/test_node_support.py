@@ -175,14 +175,9 @@ class Harness:
         if self._change_state is None:
             self._change_state = self.robot.create_client(ChangeState, "oxygen_node/change_state")
         assert self._change_state.wait_for_service(timeout_sec=10.0)
-        label = {"shutdown": self._shutdown_label()}.get(label, label)
         future = self._change_state.call_async(ChangeState.Request(transition=Transition(label=label)))
         assert wait_for(future.done, timeout), f"no answer to {label}"
         return future.result().success
-
-    def _shutdown_label(self) -> str:
-        return {"unconfigured": "unconfigured_shutdown", "inactive": "inactive_shutdown",
-                "active": "active_shutdown"}[self.node.lifecycle_state]
 
     def count(self, name: str) -> int:
         return len(self.received[name])
