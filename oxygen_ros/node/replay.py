@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     remap = parse_remaps(args.remap)
 
-    rclpy_args = ["--ros-args", "--params-file", str(args.params_file)] if args.params_file else None
+    # Only the parameter file goes to rclpy: the player's own arguments (e.g. --remap a:=b) are not ROS's.
+    rclpy_args = ["--ros-args", "--params-file", str(args.params_file)] if args.params_file else []
     rclpy.init(args=rclpy_args)
     executor = MultiThreadedExecutor(num_threads=4)
     nodes = []

@@ -1,0 +1,283 @@
+"""``make demo``: the whole system end to end on a CPU, for a bounded time, then a summary and plots.
+
+What runs:
+    * a simulated ALOHA robot (:mod:`oxygen_ros.node.sim_robot`) in a child process of its own (so its
+      MuJoCo rendering never competes with inference for Python's GIL): cameras top, left_wrist,
+      right_wrist rendered at ``--camera-rate`` each, 14 joint states at 50 Hz; it executes the action
+      chunks;
+    * the oxygen node (``OxygenNode``, ``pi05_tiny`` on the CPU unless ``--preset`` / ``--checkpoint``
+      say otherwise) with the action task, a speech task (an utterance every ``--speech-every`` s) and
+      a memory task (an entry every ``--memory-every`` s), reusing the newest camera frames within
+      ``--staleness`` s;
+    * a recorder (:mod:`oxygen_ros.node.bag_recorder`) that writes every topic to
+      ``runs/<timestamp>/bag`` (rosbag2, MCAP);
+    * this process publishes the instruction (latched) and follows the outputs.
+The node, the recorder and the follower share one multi-threaded executor in this process; the robot
+process is ended with this one in every case (SIGINT, SIGTERM, errors, and the kernel's parent-death
+signal if this process is killed). On a robot the same nodes come up with ``ros2 launch``.
+
+Afterwards :mod:`oxygen_ros.node.report` reads the bag back and prints the summary and writes
+``timeline.png`` and ``contact_sheet.png`` next to it. Exit status 0 when action chunks flowed.
+
+Command line: ``python -m oxygen_ros.node.demo [--duration 60] [--checkpoint DIR] ...`` (``--help``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__" and not sys.flags.safe_path:
+    # `python -m` (as `make demo` runs it) puts the working directory first on sys.path; from the
+    # repository root that is the source tree, which lacks the generated `oxygen_ros.msg` of the install
+    # space. Start again with -P (Python's safe path: no working directory on sys.path).
+    os.execv(sys.executable, [sys.executable, "-P", "-m", "oxygen_ros.node.demo", *sys.argv[1:]])
+
+import argparse  # noqa: E402
+import ctypes  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import rclpy  # noqa: E402
+import yaml  # noqa: E402
+from rclpy.executors import MultiThreadedExecutor  # noqa: E402
+from rclpy.node import Node  # noqa: E402
+from rclpy.parameter import Parameter  # noqa: E402
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy  # noqa: E402
+from rclpy.signals import SignalHandlerOptions  # noqa: E402
+from std_msgs.msg import String  # noqa: E402
+
+from oxygen_ros.models.processing import ACTION_PROMPT  # noqa: E402
+from oxygen_ros.msg import ActionChunk, MemoryEntry, Speech  # noqa: E402
+from oxygen_ros.node import sim_robot  # noqa: E402
+from oxygen_ros.node.bag_recorder import BagRecorder, default_run_dir  # noqa: E402
+
+NODE_NAME = "oxygen_node"
+# The simulated robot's cameras -> the model's camera slots (openpi's ALOHA image keys).
+CAMERA_SLOTS = dict(zip(sim_robot.CAMERAS, ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")))
+_PR_SET_PDEATHSIG = 1
+
+
+def cpu_dtype() -> str:
+    """``bfloat16`` where the CPU computes it natively (AVX512-BF16 or AMX: 2-2.5x faster than float32
+    on these machines), else ``float32`` (emulated bfloat16 would be slower)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "float32"
+    return "bfloat16" if "avx512_bf16" in flags or "amx_bf16" in flags else "float32"
+
+
+def node_parameters(args: argparse.Namespace) -> dict:
+    """The oxygen node's parameters for the simulated ALOHA robot (then ``--param`` overrides)."""
+    params = {
+        "preset": args.preset, "checkpoint": args.checkpoint, "device": args.device,
+        "dtype": cpu_dtype() if args.dtype == "auto" else args.dtype,
+        "joint_names": list(sim_robot.JOINTS), "action_dim": len(sim_robot.JOINTS),
+        "action_names": list(sim_robot.JOINTS),
+        "action_dt_s": 0.02,   # ALOHA's 50 Hz control
+        "camera_topics": [f"/cameras/{camera}/image_raw" for camera in CAMERA_SLOTS],
+        "camera_slots": list(CAMERA_SLOTS.values()),
+        "camera_transports": ["raw"] * len(CAMERA_SLOTS),
+        "camera_reliability": ["best_effort"] * len(CAMERA_SLOTS),
+        # The top camera is required; a late wrist frame only masks its slot for that cycle.
+        "camera_required": [True] + [False] * (len(CAMERA_SLOTS) - 1),
+        "staleness_limit_s": args.staleness,
+        "instruction_topic": "/instruction", "joint_states_topic": "/joint_states",
+        "control_rate_hz": args.control_rate,
+        "speech.trigger_every_s": args.speech_every,
+        "memory.trigger_every_s": args.memory_every,
+    }
+    if args.language_prompt == "shared":
+        # Speech and memory read the action task's prefix KV: one prefill per frame serves all three tasks
+        # (the unified cache's sharing at its best; what makes the CPU demo meet its rates).
+        params["speech.prompt_template"] = params["memory.prompt_template"] = ACTION_PROMPT
+    for item in args.param:
+        name, sep, value = item.partition(":=")
+        if not sep:
+            raise SystemExit(f"--param {item!r} is not of the form name:=value")
+        params[name] = yaml.safe_load(value)
+    return params
+
+
+class DemoFollower(Node):
+    """Publishes the instruction (reliable, transient local) and counts the oxygen node's outputs.
+
+    Also copies the engine's per-cycle records (encode / prefill / denoise / decode times) from the
+    in-process node every second, before the node's own windowing can reset them.
+    """
+
+    def __init__(self, instruction: str, oxygen_node, **kwargs):
+        super().__init__("demo_follower", **kwargs)
+        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self.create_publisher(String, "/instruction", latched).publish(String(data=instruction))
+        prefix = f"/{NODE_NAME}"
+        self.chunks = self.final_utterances = self.memory_entries = 0
+        self.first_chunk_time: float | None = None
+        self.create_subscription(ActionChunk, f"{prefix}/action_chunk", self._on_chunk, 10)
+        self.create_subscription(Speech, f"{prefix}/speech", self._on_speech, 100)
+        self.create_subscription(MemoryEntry, f"{prefix}/memory", self._on_memory, 10)
+        self._oxygen_node = oxygen_node
+        self.cycles: dict[int, dict] = {}
+        self.create_timer(1.0, self.collect_cycles)
+
+    def _on_chunk(self, msg: ActionChunk) -> None:
+        self.chunks += 1
+        if self.first_chunk_time is None:
+            self.first_chunk_time = time.monotonic()
+
+    def _on_speech(self, msg: Speech) -> None:
+        if msg.final:
+            self.final_utterances += 1
+            self.get_logger().info(f"speech [{msg.status}] {msg.text!r}")
+
+    def _on_memory(self, msg: MemoryEntry) -> None:
+        self.memory_entries += 1
+        self.get_logger().info(f"memory {msg.entry_id}: {msg.text!r} (embedding {len(msg.embedding)})")
+
+    def collect_cycles(self) -> None:
+        """Copy the engine's new per-cycle records (keyed by observation seq)."""
+        engine = self._oxygen_node.engine
+        if engine is not None:
+            for record in list(engine.metrics_records.cycles):
+                self.cycles.setdefault(record.seq, asdict(record))
+
+
+def _start_robot(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
+    """The simulated robot as a child process in its own session, ended with this process."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def die_with_parent() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    command = [sys.executable, "-P", "-m", "oxygen_ros.node.sim_robot", "--ros-args",
+               "-p", f"camera_rate_hz:={args.camera_rate}",
+               "-p", f"action_chunk_topic:=/{NODE_NAME}/action_chunk", "-p", f"seed:={args.seed}"]
+    log = open(log_path, "w")
+    try:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=die_with_parent)
+    finally:
+        log.close()
+
+
+def _stop_robot(robot: subprocess.Popen) -> None:
+    """SIGTERM the robot's process group; SIGKILL after 5 s."""
+    if robot.poll() is not None:
+        return
+    os.killpg(robot.pid, signal.SIGTERM)
+    try:
+        robot.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        os.killpg(robot.pid, signal.SIGKILL)
+        robot.wait()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="oxygen_ros demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=float, default=60.0,
+                        help="seconds to run once the first action chunk arrived [s] (default 60)")
+    parser.add_argument("--startup-timeout", type=float, default=120.0,
+                        help="give up when no action chunk arrived within this time [s]")
+    parser.add_argument("--output", type=Path, default=None, help="run directory (default runs/<timestamp>)")
+    parser.add_argument("--preset", default="pi05_tiny", help="model preset (default pi05_tiny)")
+    parser.add_argument("--checkpoint", default="", help="local checkpoint directory (default: random weights)")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="weights' dtype; auto = bfloat16 where the CPU has native bfloat16, else float32")
+    parser.add_argument("--language-prompt", choices=("shared", "model"), default="shared",
+                        help="shared: speech and memory decode from the action prompt's prefix (one prefill "
+                             "per frame); model: the model's own language prompt (a prefill per request; "
+                             "use with a real checkpoint, whose language head was trained on it)")
+    parser.add_argument("--instruction", default="pick up the red cube")
+    parser.add_argument("--control-rate", type=float, default=3.0, help="action chunks per second [Hz]")
+    parser.add_argument("--camera-rate", type=float, default=1.0, help="images per second per camera [Hz]")
+    parser.add_argument("--staleness", type=float, default=1.5,
+                        help="the node reuses camera frames up to this age [s]")
+    parser.add_argument("--speech-every", type=float, default=3.0, help="an utterance every this many s")
+    parser.add_argument("--memory-every", type=float, default=2.0, help="a memory entry every this many s")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the cube's start pose")
+    parser.add_argument("--param", action="append", default=[], metavar="NAME:=VALUE",
+                        help="any oxygen node parameter (repeatable), e.g. --param dtype:=bfloat16")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo (see the module docstring); returns the process exit status."""
+    args = parse_args(argv)
+    from oxygen_ros.node import report
+    from oxygen_ros.node.oxygen_node import OxygenNode
+
+    wall_start = time.monotonic()
+    run_dir = args.output or default_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    params = node_parameters(args)
+    (run_dir / "oxygen_node_params.yaml").write_text(
+        yaml.safe_dump({NODE_NAME: {"ros__parameters": params}}, sort_keys=False))
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    rclpy.init(args=[], signal_handler_options=SignalHandlerOptions.NO)
+    robot = _start_robot(args, run_dir / "sim_robot.log")
+    executor = MultiThreadedExecutor(num_threads=4)
+    nodes: list[Node] = []
+    recorder = follower = None
+    status = 1
+    try:
+        recorder = BagRecorder(run_dir / "bag")
+        nodes.append(recorder)
+        oxygen = OxygenNode(NODE_NAME, parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+        nodes.append(oxygen)
+        follower = DemoFollower(args.instruction, oxygen)
+        nodes.append(follower)
+        for node in nodes:
+            executor.add_node(node)
+        log = follower.get_logger()
+        log.info(f"run directory {run_dir}; robot log {run_dir / 'sim_robot.log'}")
+        startup_deadline = time.monotonic() + args.startup_timeout
+        next_progress = time.monotonic() + 10.0
+        while not stop.is_set():
+            executor.spin_once(timeout_sec=0.1)
+            now = time.monotonic()
+            if robot.poll() is not None:
+                log.error(f"the simulated robot exited ({robot.returncode}); see {run_dir / 'sim_robot.log'}")
+                break
+            if follower.first_chunk_time is None:
+                if now > startup_deadline:
+                    log.error(f"no action chunk within {args.startup_timeout:g} s")
+                    break
+                continue
+            if now >= next_progress:
+                log.info(f"{now - follower.first_chunk_time:.0f} s: {follower.chunks} action chunks, "
+                         f"{follower.final_utterances} utterances, {follower.memory_entries} memory entries")
+                next_progress += 10.0
+            if now - follower.first_chunk_time >= args.duration:
+                status = 0
+                break
+        follower.collect_cycles()
+    finally:
+        _stop_robot(robot)
+        executor.shutdown()
+        for node in reversed(nodes):
+            node.destroy_node()
+        rclpy.try_shutdown()
+
+    if follower is not None:
+        (run_dir / "engine_cycles.json").write_text(
+            json.dumps([follower.cycles[seq] for seq in sorted(follower.cycles)]))
+    if recorder is not None and (run_dir / "bag" / "metadata.yaml").is_file():
+        result = report.write_report(run_dir)
+        print(report.format_summary(result))
+    print(f"demo wall time {time.monotonic() - wall_start:.1f} s; run directory {run_dir}")
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
