@@ -1,0 +1,293 @@
+"""Engine benchmark: the OxyGen paper's protocol (arXiv 2603.14371) on one model, ROS-free.
+
+Settings, all measured in one run on the same model and inputs:
+    * ``isolated``: action task and each language task with their own encode + prefill + private
+      cache, decoding run to completion (openpi-style);
+    * ``shared_prefix``: one encode and one prefill per distinct prompt, decoding to completion;
+    * ``unified``: sharing plus cross-frame continuous batching, fixed k decode steps per frame
+      (the paper's protocol) and the deadline-aware scheduler.
+One speech request of exactly N tokens per frame (no early stop), N in {5, 10, 20, 30},
+k in {1, 5, 10}, S = 10 denoising steps, H = the preset's horizon (10 for the tiny presets), and a
+two-task mode (speech with the action prompt + memory with the language prompt).
+
+Bound (the model's own costs, measured in the same run): with P = vision + prefill of one prefix,
+D = the denoising loop and d = one decode step, isolated execution costs ``2P + D + N·d`` per frame
+and unified at best ``P + D + k·d``; the best speedup is their ratio. Two-task mode: isolated
+``3P + D + 2N·d`` against unified ``P + (P - V) + D + k·d`` (the memory prompt needs its own
+prefill, V = vision time, shared). Speedup = unified action rate / isolated action rate, where the
+action rate is H / frame latency.
+
+Usage: ``oxygen-bench-engine --frames 30`` (``--frames 5 --quick`` for a smoke run); writes a table to
+stdout and JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oxygen_ros.engine import BlockPool, Engine, EngineConfig, KVCacheManager, Observation
+from oxygen_ros.engine.model_runner import ModelRunner, PrefillRow
+from oxygen_ros.engine.processing import ModelProcessor
+from oxygen_ros.models import get_robot, load_model, load_tokenizer
+from oxygen_ros.models.processing import ACTION_PROMPT, LANGUAGE_PROMPT, Processor
+
+# The paper's reported speedups over isolated execution (RTX 4090, π0.5): best 3.7x; k = 5 curve.
+PAPER_BEST = 3.7
+PAPER_K5 = {5: 1.27, 10: 1.60, 20: 2.35, 30: 2.98}
+
+
+def _observations(robot, count: int, seed: int, instruction: str) -> list[Observation]:
+    rng = np.random.default_rng(seed)
+    return [Observation({slot: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+                         for slot in robot.camera_slots}, instruction,
+                        rng.uniform(-1, 1, robot.state_dim).astype(np.float32),
+                        stamp=0.1 * i, seq=i) for i in range(count)]
+
+
+class Bench:
+    """Builds engines on one model and runs the settings.
+
+    Args:
+        model: the VLA; processor: its engine processor; robot: the robot config (camera slots).
+        frames: measured frames per setting; warmup: frames before measuring (at least enough for
+            unified's batch to reach steady state).
+        budget: KV pool budget in bytes.
+    """
+
+    def __init__(self, model, processor, robot, frames: int, warmup: int, budget: int):
+        self.model, self.processor, self.robot = model, processor, robot
+        self.frames, self.warmup, self.budget = frames, warmup, budget
+        self.instruction = "pick up the red cube and put it in the bowl"
+
+    def config(self, mode: str, tasks: list[dict], scheduling: str = "fixed_k", k: int = 1,
+               period: float = 1e3) -> EngineConfig:
+        return EngineConfig.from_dict({
+            "mode": mode, "scheduling": scheduling, "decode_steps_per_cycle": k,
+            "kv_budget_bytes": self.budget, "camera_slots": list(self.robot.camera_slots),
+            "action": {"prompt_template": ACTION_PROMPT, "control_period_s": period,
+                       "num_denoise_steps": 10},
+            "language_tasks": tasks, "max_batch_size": 256, "max_waiting": 256})
+
+    def run(self, config: EngineConfig, warmup: int | None = None) -> dict:
+        """Warm up, reset metrics, run the measured frames, flush; the engine's summary."""
+        engine = Engine(self.model, self.processor, config)
+        warmup = self.warmup if warmup is None else warmup
+        observations = _observations(self.robot, warmup + self.frames, 0, self.instruction)
+        for obs in observations[:warmup]:
+            engine.run_cycle(obs)
+        engine.reset_metrics()
+        for obs in observations[warmup:]:
+            engine.run_cycle(obs)
+        summary = engine.metrics()
+        engine.flush()
+        engine.close()
+        return summary
+
+
+def speech(n: int) -> dict:
+    return {"name": "speech", "prompt_template": ACTION_PROMPT, "trigger": {"every_n_frames": 1},
+            "max_new_tokens": n, "stop_token_ids": [], "admission": "wait", "max_wait_s": 1e9}
+
+
+def memory(n: int) -> dict:
+    return {"name": "memory", "prompt_template": LANGUAGE_PROMPT, "trigger": {"every_n_frames": 1},
+            "max_new_tokens": n, "stop_token_ids": [], "kind": "memory", "admission": "wait",
+            "max_wait_s": 1e9}
+
+
+def batch_scaling(model, processor, robot, budget: int, batch: int, repeats: int) -> dict:
+    """Median seconds of one decode step for 1 and for ``batch`` requests over paged KV.
+
+    The requests fork one real prefix (every camera + the action prompt) and then hold ragged
+    numbers of decoded tokens (0..29), as cross-frame batches do.
+    """
+    cfg = model.config
+    pool = BlockPool(cfg.vlm_num_layers, cfg.num_kv_heads, cfg.head_dim, 16, budget,
+                     dtype=model.dtype, device=model.device)
+    manager = KVCacheManager(pool)
+    runner = ModelRunner(model, processor, manager)
+    obs = _observations(robot, 1, 99, "describe the scene")[0]
+    features = runner.encode(list(obs.images.values()))
+    ids = processor.prompt_ids(ACTION_PROMPT, obs.instruction, obs.state)
+    embeds = torch.cat([features.reshape(-1, features.shape[-1]), runner.embed_prompt(ids)])
+    root = manager.new_sequence()
+    runner.prefill([PrefillRow(root, embeds, embeds.shape[0])], logits=False)
+    seqs = [manager.fork(root) for _ in range(batch)]
+    for i, seq in enumerate(seqs):
+        for _ in range(i % 30):
+            runner.decode_step([seq], [5])
+    times = {}
+    for size in (1, batch):
+        samples = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            runner.decode_step(seqs[:size], [5] * size)
+            samples.append(time.perf_counter() - t)
+        times[size] = float(np.median(samples))
+    return {"batch": batch, "step_1_s": times[1], f"step_{batch}_s": times[batch],
+            "ratio": times[batch] / times[1]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="oxygen-bench-engine", description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="pi05_tiny")
+    parser.add_argument("--robot", default="libero", help="camera slots and state/action dims")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--frames", type=int, default=30, help="measured frames per setting")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up frames (unified adds N/k)")
+    parser.add_argument("--n", type=int, nargs="+", default=[5, 10, 20, 30], help="decode lengths N")
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 5, 10], help="decode steps per frame")
+    parser.add_argument("--deadline-frames", type=int, default=60)
+    parser.add_argument("--kv-budget-mib", type=float, default=256.0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument("--out", default="bench-results/engine_bench.json")
+    args = parser.parse_args(argv)
+    if args.frames < 1 or args.warmup < 0 or min(args.n) < 1 or min(args.k) < 1:
+        parser.error("--frames, --n and --k must be >= 1, --warmup >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model = load_model(args.preset, dtype=args.dtype, device=args.device)
+    robot = get_robot(args.robot)
+    processor = ModelProcessor(Processor(model.config, robot, load_tokenizer(model.config)))
+    bench = Bench(model, processor, robot, args.frames, args.warmup,
+                  int(args.kv_budget_mib * 2**20))
+    horizon = model.config.action_horizon
+    results: dict = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
+                                 "torch": torch.__version__, "threads": torch.get_num_threads(),
+                                 "device": args.device},
+                     "preset": args.preset, "dtype": args.dtype, "robot": args.robot,
+                     "frames": args.frames, "horizon": horizon, "rows": []}
+
+    # Component costs P, V, D (action-only isolated run) and d (isolated decode steps, batch 1).
+    action_only = bench.run(bench.config("isolated", []))
+    phases = action_only["phase_mean_s"]
+    p_cost = phases["encode_s"] + phases["prefill_s"]
+    v_cost = phases["encode_s"]
+    d_cost_denoise = phases["denoise_s"]
+    decode_samples = []
+
+    rows = results["rows"]
+    isolated_latency = {}
+    for n in args.n:
+        iso = bench.run(bench.config("isolated", [speech(n)]))
+        decode_samples.append(iso["phase_mean_s"]["decode_s"] / max(1, iso["mean_decode_steps_per_frame"]))
+        isolated_latency[n] = iso["frame_latency_s"]["mean"]
+        rows.append(_row("isolated", n, None, iso, iso))
+        shared = bench.run(bench.config("shared_prefix", [speech(n)]))
+        rows.append(_row("shared_prefix", n, None, shared, iso))
+        for k in args.k:
+            uni = bench.run(bench.config("unified", [speech(n)], k=k),
+                            warmup=args.warmup + math.ceil(n / k))
+            rows.append(_row("unified", n, k, uni, iso))
+    d_cost = float(np.median(decode_samples))
+    for row in rows:
+        if row["setting"] == "unified":
+            bound = (2 * p_cost + d_cost_denoise + row["N"] * d_cost) / \
+                (p_cost + d_cost_denoise + row["k"] * d_cost)
+            row["bound"] = bound
+            row["pct_of_bound"] = 100.0 * row["speedup"] / bound
+            row["paper"] = PAPER_K5.get(row["N"]) if row["k"] == 5 else None
+
+    # Two-task mode: speech (action prompt) + memory (language prompt), N tokens each, k = 5.
+    n2, k2 = max(args.n), 5 if 5 in args.k else args.k[0]
+    iso2 = bench.run(bench.config("isolated", [speech(n2), memory(n2)]))
+    uni2 = bench.run(bench.config("unified", [speech(n2), memory(n2)], k=k2),
+                     warmup=args.warmup + math.ceil(n2 / k2))
+    two = _row("unified two-task", n2, k2, uni2, iso2)
+    two["bound"] = (3 * p_cost + d_cost_denoise + 2 * n2 * d_cost) / \
+        (p_cost + (p_cost - v_cost) + d_cost_denoise + k2 * d_cost)
+    two["pct_of_bound"] = 100.0 * two["speedup"] / two["bound"]
+    rows.append(_row("isolated two-task", n2, None, iso2, iso2))
+    rows.append(two)
+
+    # Deadline mode: a control period that isolated at the largest N misses on most cycles.
+    n_max = max(args.n)
+    period = 1.3 * (p_cost + d_cost_denoise) + 3 * d_cost
+    deadline_frames = Bench(model, processor, robot, args.deadline_frames, args.warmup, bench.budget)
+    dl = deadline_frames.run(bench.config("unified", [speech(n_max)], scheduling="deadline",
+                                          period=period), warmup=args.warmup + n_max)
+    iso_dl = deadline_frames.run(bench.config("isolated", [speech(n_max)], period=period))
+    k1 = next((r for r in rows if r["setting"] == "unified" and r["N"] == n_max and r["k"] == 1), None)
+    results["deadline"] = {"control_period_s": period, "N": n_max, "frames": args.deadline_frames,
+                           "unified_misses": dl["deadline_misses"],
+                           "isolated_misses": iso_dl["deadline_misses"],
+                           "unified_tokens_per_s": dl["tokens_per_s"],
+                           "k1_tokens_per_s": None if k1 is None else k1["tokens_per_s"],
+                           "unified_mean_decode_steps": dl["mean_decode_steps_per_frame"],
+                           "summary": dl}
+
+    results["batch_scaling"] = batch_scaling(model, processor, robot, bench.budget, 30, repeats=15)
+    results["costs_s"] = {"P": p_cost, "V": v_cost, "D": d_cost_denoise, "d": d_cost}
+    results["paper"] = {"best": PAPER_BEST, "k5": PAPER_K5, "gpu": "RTX 4090"}
+
+    _print(results)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str))
+    print(f"\nJSON written to {out}")
+    return 0
+
+
+def _row(setting: str, n: int, k: int | None, summary: dict, isolated: dict) -> dict:
+    latency = summary["frame_latency_s"]["mean"]
+    return {"setting": setting, "N": n, "k": k, "frame_latency_s": latency,
+            "action_rate_hz": summary["action_rate_hz"], "tokens_per_s": summary["tokens_per_s"],
+            "speedup": isolated["frame_latency_s"]["mean"] / latency,
+            "bound": None, "pct_of_bound": None, "paper": None,
+            "mean_batch": summary["mean_batch_size"], "ttft_p50_s": summary["ttft_s"]["p50"],
+            "vision_calls_per_frame": summary["vision_calls_per_frame"],
+            "prefilled_tokens_per_frame": summary["prefilled_tokens_per_frame"],
+            "peak_pool_mib": summary["peak_pool_bytes"] / 2**20,
+            "deadline_misses": summary["deadline_misses"]}
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _print(results: dict) -> None:
+    c = results["costs_s"]
+    print(f"preset {results['preset']} ({results['dtype']}), robot {results['robot']}, "
+          f"{results['frames']} frames/setting, H={results['horizon']}, "
+          f"{results['machine']['threads']} threads on {results['machine']['device']}")
+    print(f"P = {1e3 * c['P']:.1f} ms (vision {1e3 * c['V']:.1f}), D = {1e3 * c['D']:.1f} ms, "
+          f"d = {1e3 * c['d']:.2f} ms")
+    header = (f"{'setting':<18}{'N':>4}{'k':>4}{'frame ms':>10}{'act Hz':>9}{'tok/s':>9}"
+              f"{'speedup':>9}{'bound':>8}{'%bound':>8}{'paper':>7}{'batch':>7}{'vis/fr':>7}"
+              f"{'pref tok':>9}{'pool MiB':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in results["rows"]:
+        print(f"{r['setting']:<18}{r['N']:>4}{_fmt(r['k'], 'd'):>4}"
+              f"{1e3 * r['frame_latency_s']:>10.1f}{r['action_rate_hz']:>9.1f}"
+              f"{_fmt(r['tokens_per_s'], '.0f'):>9}{r['speedup']:>8.2f}x"
+              f"{_fmt(r['bound'], '.2f'):>8}{_fmt(r['pct_of_bound'], '.0f'):>8}"
+              f"{_fmt(r['paper'], '.2f'):>7}{_fmt(r['mean_batch'], '.1f'):>7}"
+              f"{r['vision_calls_per_frame']:>7.1f}{r['prefilled_tokens_per_frame']:>9.0f}"
+              f"{r['peak_pool_mib']:>9.2f}")
+    d = results["deadline"]
+    print(f"\ndeadline mode: period {1e3 * d['control_period_s']:.1f} ms, N={d['N']}, "
+          f"{d['frames']} frames: unified misses {d['unified_misses']}, isolated misses "
+          f"{d['isolated_misses']}; tokens/s unified {_fmt(d['unified_tokens_per_s'], '.0f')} vs "
+          f"k=1 {_fmt(d['k1_tokens_per_s'], '.0f')}; decode steps/frame "
+          f"{_fmt(d['unified_mean_decode_steps'], '.1f')}")
+    b = results["batch_scaling"]
+    step_b = b["step_{}_s".format(b["batch"])]
+    print(f"batch scaling: decode step x1 {1e3 * b['step_1_s']:.2f} ms, x{b['batch']} "
+          f"{1e3 * step_b:.2f} ms, ratio {b['ratio']:.2f} (target <= 2)")
+    print(f"paper (RTX 4090): best {PAPER_BEST}x; k=5: " +
+          ", ".join(f"N={n}: {s}x" for n, s in PAPER_K5.items()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
