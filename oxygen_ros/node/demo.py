@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if recorder is not None and (run_dir / "bag" / "metadata.yaml").is_file():
         result = report.write_report(run_dir)
         print(report.format_summary(result))
+    print(f"robot process {robot.pid} ended (exit status {robot.returncode})")
     print(f"demo wall time {time.monotonic() - wall_start:.1f} s; run directory {run_dir}")
     return status
 

@@ -1,0 +1,50 @@
+"""`make demo` in short: sim robot + oxygen node (pi05_tiny, CPU) + recorder for ~10 s, then the report.
+
+Rates are logged; only loose floors are asserted (a busy 2-core CI machine must not make this flaky).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.ros, pytest.mark.slow]
+
+
+def test_short_demo_produces_chunks_speech_memory_and_a_readable_mcap(tmp_path):
+    pytest.importorskip("gym_aloha")
+    from rosbags.highlevel import AnyReader
+
+    from oxygen_ros.node.bag_recorder import project_typestore
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-P", "-m", "oxygen_ros.node.demo", "--duration", "10",
+                           "--output", str(run_dir)], capture_output=True, text=True, timeout=400,
+                          env=dict(os.environ))
+    print(proc.stdout[-4000:])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    print(f"chunks/s {summary['action_chunks_per_s']}, speech completed {summary['speech_utterances_completed']}, "
+          f"memory {summary['memory_entries']}, deadline misses {summary['deadline_misses']}")
+    assert summary["action_chunks"] >= 5 and summary["action_chunks_per_s"] >= 0.5
+    assert summary["action_horizon"] == 10
+    assert summary["speech_utterances_completed"] >= 1
+    assert summary["memory_entries"] >= 1
+    assert (run_dir / "timeline.png").stat().st_size > 0 and (run_dir / "contact_sheet.png").stat().st_size > 0
+
+    with AnyReader([run_dir / "bag"], default_typestore=project_typestore()) as reader:
+        topics = {c.topic: c.msgtype for c in reader.connections}
+        chunk_conn = [c for c in reader.connections if c.topic == "/oxygen_node/action_chunk"]
+        chunk = next(reader.deserialize(raw, c.msgtype) for c, _, raw in reader.messages(connections=chunk_conn))
+    for topic in ("/cameras/top/image_raw", "/cameras/left_wrist/image_raw", "/cameras/right_wrist/image_raw",
+                  "/joint_states", "/instruction", "/oxygen_node/speech", "/oxygen_node/memory",
+                  "/oxygen_node/status", "/diagnostics"):
+        assert topic in topics, sorted(topics)
+    assert (chunk.horizon, chunk.action_dim) == (10, 14) and len(chunk.actions) == 140
+    # The robot process ended with the demo.
+    pid = int(re.search(r"robot process (\d+) ended", proc.stdout).group(1))
+    assert not os.path.exists(f"/proc/{pid}")
