@@ -1,67 +1,19 @@
 """Builds the model, its processing and the engine from the node's settings (the ``configure`` step).
 
-The engine asks for the small :class:`oxygen_ros.engine.Processor` protocol; :class:`EngineProcessor`
-implements it on top of the models package's :class:`oxygen_ros.models.processing.Processor`
-(openpi's resize-with-pad, normalisation, state discretisation and prompt building).
+The robot (state and action dimensions, camera slots) comes from the node's parameters; the engine's
+processor is :class:`oxygen_ros.engine.processing.ModelProcessor` over the models package's
+:class:`oxygen_ros.models.processing.Processor` (openpi's resize-with-pad, normalisation, state
+discretisation and prompt building).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
-
-import numpy as np
-import torch
-
 from oxygen_ros.engine import Engine, EngineConfig
+from oxygen_ros.engine.processing import ModelProcessor
 from oxygen_ros.models import RobotConfig, load_model, load_norm_stats
-from oxygen_ros.models.processing import (ACTION_PROMPT, LANGUAGE_PROMPT, PI0_PROMPT, Processor,
-                                          build_prompt_tokens, discretize_state, resize_with_pad)
+from oxygen_ros.models.processing import ACTION_PROMPT, LANGUAGE_PROMPT, PI0_PROMPT, Processor
 from oxygen_ros.models.tokenizer import load_tokenizer
 from oxygen_ros.node.parameters import NodeSettings
-
-
-class EngineProcessor:
-    """The engine's processor protocol over the models package's :class:`Processor`.
-
-    Args:
-        processor: model + robot processing (tokenizer, norm stats, dimensions).
-    """
-
-    def __init__(self, processor: Processor):
-        self._processor = processor
-        self._config = processor.config
-
-    def images_to_pixels(self, images: Sequence[np.ndarray]) -> torch.Tensor:
-        """uint8 ``[H, W, 3]`` images (any sizes) → fp32 ``[N, 3, 224, 224]`` in [-1, 1]."""
-        return torch.stack([resize_with_pad(image, self._config.image_size) for image in images])
-
-    def prompt_ids(self, template: str, instruction: str, state: np.ndarray | None) -> list[int]:
-        """BOS + tokens of ``template``; ``{state}`` is filled with the discretised, normalised state.
-
-        Raises:
-            ValueError: the template has ``{state}`` and ``state`` is None or of the wrong dimension.
-        """
-        bins = None
-        if "{state}" in template:
-            if state is None:
-                raise ValueError("the prompt template has {state} but the observation has no state")
-            bins = discretize_state(self._processor.normalized_state(state))
-        return build_prompt_tokens(self._processor.tokenizer, instruction, template, self._config.max_token_len,
-                                   bins)
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Text of generated token ids (special tokens dropped)."""
-        return self._processor.tokenizer.decode(list(ids))
-
-    def state_tensor(self, state: np.ndarray | None) -> torch.Tensor | None:
-        """π0's continuous state input (fp32 ``[32]``); None for π0.5 (state in the prompt)."""
-        if state is None:
-            return None
-        return self._processor.model_state(state)
-
-    def actions_out(self, actions: torch.Tensor) -> np.ndarray:
-        """Model actions ``[H, 32]`` → float32 robot actions ``[H, action_dim]`` (unnormalised)."""
-        return self._processor.actions(actions).astype(np.float32)
 
 
 def action_prompt(variant: str) -> str:
@@ -113,5 +65,5 @@ def build_engine(settings: NodeSettings) -> Engine:
                         norm_mode=settings.norm_mode)
     tokenizer = load_tokenizer(model.config, settings.tokenizer_path or None)
     norm_stats = load_norm_stats(settings.norm_stats_path) if settings.norm_stats_path else None
-    processor = EngineProcessor(Processor(model.config, robot, tokenizer, norm_stats))
+    processor = ModelProcessor(Processor(model.config, robot, tokenizer, norm_stats))
     return Engine(model, processor, engine_config(settings, model.config.variant))

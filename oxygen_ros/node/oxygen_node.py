@@ -81,6 +81,9 @@ class OxygenNode(LifecycleNode):
         node_name: the node's name (default ``oxygen_node``).
         **kwargs: forwarded to :class:`rclpy.lifecycle.LifecycleNode` (``context``, ``namespace``,
             ``parameter_overrides``, ...), so several nodes can share one process and executor.
+
+    Drive transitions through the lifecycle services (``<node>/change_state``) or from the thread that
+    spins the node's executor: transitions and the status timer must not run concurrently.
     """
 
     def __init__(self, node_name: str = "oxygen_node", **kwargs):
