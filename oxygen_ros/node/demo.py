@@ -24,38 +24,31 @@ Command line: ``python -m oxygen_ros.node.demo [--duration 60] [--checkpoint DIR
 
 from __future__ import annotations
 
+import argparse
+import ctypes
+import json
 import os
+import signal
+import subprocess
 import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
 
-if __name__ == "__main__" and not sys.flags.safe_path:
-    # `python -m` (as `make demo` runs it) puts the working directory first on sys.path; from the
-    # repository root that is the source tree, which lacks the generated `oxygen_ros.msg` of the install
-    # space. Start again with -P (Python's safe path: no working directory on sys.path).
-    os.execv(sys.executable, [sys.executable, "-P", "-m", "oxygen_ros.node.demo", *sys.argv[1:]])
+import rclpy
+import yaml
+from rclpy.executors import MultiThreadedExecutor
+from rclpy.node import Node
+from rclpy.parameter import Parameter
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.signals import SignalHandlerOptions
+from std_msgs.msg import String
 
-import argparse  # noqa: E402
-import ctypes  # noqa: E402
-import json  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import rclpy  # noqa: E402
-import yaml  # noqa: E402
-from rclpy.executors import MultiThreadedExecutor  # noqa: E402
-from rclpy.node import Node  # noqa: E402
-from rclpy.parameter import Parameter  # noqa: E402
-from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy  # noqa: E402
-from rclpy.signals import SignalHandlerOptions  # noqa: E402
-from std_msgs.msg import String  # noqa: E402
-
-from oxygen_ros.models.processing import ACTION_PROMPT  # noqa: E402
-from oxygen_ros.msg import ActionChunk, MemoryEntry, Speech  # noqa: E402
-from oxygen_ros.node import sim_robot  # noqa: E402
-from oxygen_ros.node.bag_recorder import BagRecorder, default_run_dir  # noqa: E402
+from oxygen_ros.models.processing import ACTION_PROMPT
+from oxygen_ros.msg import ActionChunk, MemoryEntry, Speech
+from oxygen_ros.node import sim_robot
+from oxygen_ros.node.bag_recorder import BagRecorder, default_run_dir
 
 NODE_NAME = "oxygen_node"
 # The simulated robot's cameras -> the model's camera slots (openpi's ALOHA image keys).
