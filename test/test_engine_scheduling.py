@@ -173,3 +173,19 @@ def test_bad_observation_is_a_clear_error(model):
     obs.images = {"top": obs.images["base_0_rgb"]}
     with pytest.raises(ValueError, match="not in camera_slots"):
         engine.run_cycle(obs)
+
+
+def test_step_cost_estimate_is_online_and_conservative():
+    from oxygen_ros.engine.scheduler import StepCostEstimator
+
+    estimator = StepCostEstimator(alpha=0.5)
+    assert estimator.estimate_decode(4) is None and estimator.estimate_prefill(10) is None
+    estimator.observe_decode(2, 0.010)
+    estimator.observe_decode(2, 0.020)
+    assert estimator.estimate_decode(2) == pytest.approx(0.015)       # EWMA
+    assert estimator.estimate_decode(1) == pytest.approx(0.015)       # nearest larger measured
+    assert estimator.estimate_decode(8) == pytest.approx(0.060)       # linear above the largest
+    estimator.observe_decode(8, 0.020)
+    assert estimator.estimate_decode(5) == pytest.approx(0.020)
+    estimator.observe_prefill(100, 0.5)
+    assert estimator.estimate_prefill(10) == pytest.approx(0.05)

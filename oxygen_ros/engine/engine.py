@@ -10,7 +10,8 @@ A cycle (:meth:`Engine.run_cycle`), after OxyGen (arXiv 2603.14371) with a deadl
 3. waiting language requests are admitted (pool reservation, priority, preemption), the prefixes
    they need are prefilled in one batched call per tree level, and each request forks its prefix;
 4. batched decode steps advance every running request of every frame: ``fixed_k`` runs k steps,
-   ``deadline`` runs steps while the online step-cost estimate fits the slack before the deadline.
+   ``deadline`` runs steps while the online step-cost estimate fits the slack before the deadline
+   (shrinking the batch to its highest-priority requests when the whole batch would not fit).
 
 Modes for A/B comparison (same code path, different sharing and batching):
     ``isolated``: every task runs its own vision encoding, its own prefill into a private cache and
@@ -325,10 +326,18 @@ class Engine:
                 if steps >= self.config.decode_steps_per_cycle:
                     break
             else:
-                estimate = self._estimator.estimate_decode(len(batch))
+                # The largest highest-priority prefix of the batch whose estimated step cost fits
+                # the slack; stepping it also measures that batch size for the estimate.
                 remaining = deadline - time.perf_counter() - margin
-                if remaining <= 0 or (estimate is not None and estimate > remaining):
+                size = len(batch)
+                while size > 0:
+                    estimate = self._estimator.estimate_decode(size)
+                    if estimate is None or estimate <= remaining:
+                        break
+                    size -= 1
+                if remaining <= 0 or size == 0:
                     break
+                batch = batch[:size]
             self._decode_step(batch)
             steps += 1
 
