@@ -41,6 +41,21 @@ class KVCacheManager:
     def __init__(self, pool: BlockPool):
         self.pool = pool
         self.block_size = pool.block_size
+        # Grow-only gather buffers per layer (K and V): reads reuse them instead of allocating
+        # (and page-faulting) fresh multi-MiB tensors every decode step.
+        self._workspace: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * pool.num_layers
+
+    def workspace(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V gather buffers of ``layer`` with at least ``rows`` token rows
+        (``[rows, num_kv_heads, head_dim]`` views). Their content is overwritten by the next read of
+        the same layer through any view of this manager."""
+        current = self._workspace[layer]
+        if current is None or current[0].shape[0] < rows:
+            shape = (max(rows, 1), *self.pool.k[layer].shape[2:])
+            like = self.pool.k[layer]
+            current = (like.new_empty(shape), like.new_empty(shape))
+            self._workspace[layer] = current
+        return current[0][:rows], current[1][:rows]
 
     def blocks_for(self, num_tokens: int) -> int:
         """Pages needed to hold ``num_tokens`` tokens."""
@@ -124,7 +139,9 @@ class PagedKVCacheView:
     Rows may have different cached lengths (ragged batch): row b's cached tokens are read from its
     block table, left-packed, and padded to ``Lc = max(cached_lens)`` with ``valid`` False beyond
     ``cached_lens[b]``. The slot index is built once per view, so each layer's read is one
-    ``index_select`` per K and V.
+    ``index_select`` per K and V into the manager's reusable buffers: the tensors a read returns
+    are valid until the next read of the same layer through the same manager (the model uses them
+    within its forward; denoising reads every layer once, before its loop).
 
     Raises (construction):
         ValueError: lengths do not match the batch, a sequence was freed, or its pages cannot hold
@@ -137,6 +154,7 @@ class PagedKVCacheView:
             raise ValueError("a KV view needs at least one sequence")
         pool, bs = manager.pool, manager.block_size
         self._pool = pool
+        self._manager = manager
         self._seqs = seqs
         self._read_only = new_lens is None
         new = [0] * len(seqs) if new_lens is None else list(new_lens)
@@ -189,9 +207,10 @@ class PagedKVCacheView:
         """Cached ``(k, v, valid)`` of ``layer``: ``[B, Lc, kv_heads, head_dim]`` x2, bool ``[B, Lc]``."""
         k_pool, v_pool = self._pool.k[layer], self._pool.v[layer]
         shape = (len(self._seqs), self._lc, *k_pool.shape[2:])
-        k = k_pool.view(-1, *k_pool.shape[2:]).index_select(0, self._read_slots).view(shape)
-        v = v_pool.view(-1, *v_pool.shape[2:]).index_select(0, self._read_slots).view(shape)
-        return k, v, self._valid
+        k_out, v_out = self._manager.workspace(layer, self._read_slots.shape[0])
+        torch.index_select(k_pool.view(-1, *k_pool.shape[2:]), 0, self._read_slots, out=k_out)
+        torch.index_select(v_pool.view(-1, *v_pool.shape[2:]), 0, self._read_slots, out=v_out)
+        return k_out.view(shape), v_out.view(shape), self._valid
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store rows' new tokens ``[:new_lens[b]]`` of k, v ``[B, T, kv_heads, head_dim]``.
