@@ -68,10 +68,27 @@ def test_state_and_actions_padded_to_32_and_sliced_back():
     assert np.allclose(proc.actions(padded), actions)
     with pytest.raises(ValueError, match="exceeds"):
         pad_to(np.zeros(40), 32)
-    with pytest.raises(ValueError, match="exceed"):
+    with pytest.raises(ValueError, match="exceed"):  # π0's state projection takes 32 inputs
         Processor(config, RobotConfig("big", 40, 7, ("base_0_rgb",)), TinyTokenizer(config.vocab_size))
     with pytest.raises(ValueError, match="shape"):
         proc.normalized_state(np.zeros(8))
+
+
+def test_pi05_keeps_a_40_dim_state_whole_in_the_prompt_and_slices_7_dim_actions():
+    config = get_preset("pi05_tiny")
+    tok = TinyTokenizer(config.vocab_size)
+    robot = RobotConfig("big", state_dim=40, action_dim=7, camera_slots=("base_0_rgb",))
+    proc = Processor(config, robot, tok, {"state": _stats(40), "actions": _stats(7, 2)})
+    state = np.linspace(-2.0, 2.0, 40)
+    normalized = proc.normalized_state(state)
+    assert normalized.shape == (40,)
+    text = tok.decode(proc.prompt_tokens("stack", state))
+    bins = " ".join(str(b) for b in discretize_state(normalized))
+    assert text == ACTION_PROMPT.format(instruction="stack", state=bins) and len(bins.split()) == 40
+    assert proc.model_state(state) is None
+    actions = np.random.default_rng(4).normal(size=(10, 7))
+    padded = torch.as_tensor(pad_to(normalize(actions, proc.norm_stats["actions"], robot.norm_mode), 32))
+    assert np.allclose(proc.actions(padded), actions)
 
 
 def test_pi05_action_prompt_carries_discretised_state():

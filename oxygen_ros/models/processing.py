@@ -192,7 +192,12 @@ class Processor:
     norm_stats: dict[str, NormStats] | None = None
 
     def __post_init__(self):
-        if self.robot.action_dim > self.config.action_dim or self.robot.state_dim > self.config.action_dim:
+        # π0.5 reads the state only as discretised prompt tokens, so a state longer than the padded
+        # action dimension is kept whole (openpi's pad_to_dim never truncates); π0's state projection
+        # takes exactly action_dim inputs.
+        state_limit = self.config.action_dim if self.config.variant == "pi0" else None
+        if self.robot.action_dim > self.config.action_dim or (
+                state_limit is not None and self.robot.state_dim > state_limit):
             raise ValueError(f"robot {self.robot.name} dims (state {self.robot.state_dim}, action "
                              f"{self.robot.action_dim}) exceed the model's {self.config.action_dim}")
         if self.norm_stats is not None and not {"state", "actions"} <= set(self.norm_stats):
@@ -222,7 +227,9 @@ class Processor:
         return pixels, mask
 
     def normalized_state(self, state) -> np.ndarray:
-        """Robot state ``[state_dim]`` → normalised, zero-padded float64 ``[32]``.
+        """Robot state ``[state_dim]`` → normalised, zero-padded float64 ``[max(32, state_dim)]``.
+
+        Only a π0.5 robot may have ``state_dim`` > 32 (its state goes into the prompt whole).
 
         Raises:
             ValueError: wrong state dimension.
@@ -232,7 +239,7 @@ class Processor:
             raise ValueError(f"state must have shape ({self.robot.state_dim},), got {state.shape}")
         if self.norm_stats is not None:
             state = normalize(state, self.norm_stats["state"], self.robot.norm_mode)
-        return pad_to(state, self.config.action_dim)
+        return pad_to(state, max(self.config.action_dim, self.robot.state_dim))
 
     def prompt_tokens(self, instruction: str, state=None, task: str = "action") -> list[int]:
         """Prompt token ids for ``task`` ``'action'`` or ``'language'``.
