@@ -115,6 +115,10 @@ def test_over_long_prompt_is_truncated_with_warning_keeping_anchor(caplog):
     assert len(tokens) <= 30 and tokens[0] == tok.bos_id
     assert tok.decode(tokens).endswith(". Subtask: ") and tok.decode(tokens).startswith("Task: pick up")
     assert "truncated" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert build_prompt_tokens(tok, instruction, LANGUAGE_PROMPT, max_len=30) == tokens
+    assert "truncated" not in caplog.text, "the same truncation is logged once, not every control cycle"
     with pytest.raises(ValueError, match="too small"):
         build_prompt_tokens(tok, "x", LANGUAGE_PROMPT, max_len=3)
 

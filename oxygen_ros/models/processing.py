@@ -169,9 +169,22 @@ def build_prompt_tokens(tokenizer: TextTokenizer, instruction: str, template: st
         else:
             keep_hi = mid - 1
     kept = tokenizer.decode(instruction_ids[:keep_lo])
-    logger.warning("prompt of %d tokens exceeds the budget of %d: instruction truncated to %r",
-                   len(tokens), max_len, kept)
+    _warn_truncated(text, len(tokens), max_len, kept)
     return encode(kept)
+
+
+_TRUNCATION_WARNED: set[tuple[str, int]] = set()
+
+
+def _warn_truncated(instruction: str, num_tokens: int, max_len: int, kept: str) -> None:
+    """Log a truncation once per distinct instruction and budget, not on every control cycle."""
+    if (instruction, max_len) in _TRUNCATION_WARNED:
+        return
+    if len(_TRUNCATION_WARNED) >= 64:  # bounded: a long-running node sees many instructions
+        _TRUNCATION_WARNED.clear()
+    _TRUNCATION_WARNED.add((instruction, max_len))
+    logger.warning("prompt of %d tokens exceeds the budget of %d: instruction %r truncated to %r",
+                   num_tokens, max_len, instruction[:80], kept)
 
 
 @dataclasses.dataclass
