@@ -189,3 +189,22 @@ def test_step_cost_estimate_is_online_and_conservative():
     assert estimator.estimate_decode(5) == pytest.approx(0.020)
     estimator.observe_prefill(100, 0.5)
     assert estimator.estimate_prefill(10) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("mode", ["unified", "shared_prefix"])
+@pytest.mark.parametrize("prompt", ["Task: {instruction}. Subtask: ",
+                                    "Task: {instruction}, State: {state};\nAction: "])
+def test_same_prompt_speech_and_memory_share_one_prefix_with_both_needs(model, mode, prompt):
+    # Speech listed first: its prefix job (no pooled state) must not shadow memory's need.
+    speech = dict(SPEECH, prompt_template=prompt, max_new_tokens=3)
+    memory = dict(SPEECH, name="memory", kind="memory", prompt_template=prompt, max_new_tokens=3)
+    engine = Engine(model, ByteProcessor(model.config),
+                    engine_config(mode, [speech, memory], decode_steps_per_cycle=3))
+    entries = []
+    for seq in range(2):
+        result = engine.run_cycle(observation(seq, masked=ONE_CAM))
+        entries += result.memory_entries
+    entries += engine.flush()[1]
+    assert [e.seq for e in entries] == [0, 1]
+    for entry in entries:
+        assert entry.embedding is not None and entry.embedding.shape == (model.config.vlm_width,)

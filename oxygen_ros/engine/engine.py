@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Hashable
 
 import numpy as np
@@ -261,13 +261,10 @@ class Engine:
         # Action first: encode, prefill, denoise, hand out the chunk.
         features = self._encode(images)
         isolated = self.config.mode == "isolated"
-        sharing = [r for r in requests if not isolated and tuple(r.prompt_ids) == action_ids]
         action_path = (("isolated-action", obs.seq),) if isolated else \
             self._prefix_path(obs.seq, mask, action_ids)
-        node = self._prefix_nodes([_PrefixJob(action_path, features, action_ids,
-                                              logits=bool(sharing),
-                                              pooled=any(r.task.kind == "memory" for r in sharing))
-                                   ])[0]
+        logits, pooled = (False, False) if isolated else self._prefix_needs(action_path, requests)
+        node = self._prefix_nodes([_PrefixJob(action_path, features, action_ids, logits, pooled)])[0]
         actions = self._denoise(node, obs)
         if isolated:
             self._tree.clear()
@@ -372,16 +369,35 @@ class Engine:
             return (("images", obs_seq, mask), ("prompt", prompt_ids))
         return (("prefix", obs_seq, mask, prompt_ids),)
 
+    def _prefix_needs(self, path: tuple[Hashable, ...], candidates: list[Request]
+                      ) -> tuple[bool, bool]:
+        """``(logits, pooled)`` a prefix node at ``path`` must keep.
+
+        The cycle's prefix tree prefills each prefix once, so its node must serve every request
+        that will fork it, not only the one whose start triggers the prefill: the next-token logits
+        if any not-yet-started request among ``candidates`` maps to ``path``, the pooled hidden
+        state if any of those is a memory request.
+        """
+        users = [r for r in candidates if r.kv is None and
+                 self._prefix_path(r.obs_seq, r.camera_mask, tuple(r.prompt_ids)) == path]
+        return bool(users), any(r.task.kind == "memory" for r in users)
+
     def _prefix_nodes(self, jobs: list[_PrefixJob]) -> list[PrefixNode]:
         """Find or prefill every job's prefix; one batched prefill per tree level.
 
         Level 1 is the whole prefix (bidirectional model, or isolated) or the image block (causal
         model: images bidirectional among themselves); level 2 the prompt forks of a causal model
-        (prefilled on top of the cached image KV with ``bidirectional_len = 0``).
+        (prefilled on top of the cached image KV with ``bidirectional_len = 0``). Jobs for the same
+        prefix are one prefill whose outputs are the union of their needs (logits OR, pooled OR).
         """
+        merged: dict[tuple[Hashable, ...], _PrefixJob] = {}
+        for job in jobs:
+            first = merged.setdefault(job.path, replace(job))
+            first.logits |= job.logits
+            first.pooled |= job.pooled
         for depth in (1, 2):
             rows, pending = [], []
-            for job in jobs:
+            for job in merged.values():
                 if len(job.path) < depth or self._tree.lookup(job.path[:depth]) is not None:
                     continue
                 if any(job.path[:depth] == other.path[:depth] for other in pending):
@@ -457,7 +473,8 @@ class Engine:
                 if node is not None and (node.logits is None or (memory and node.pooled is None)):
                     raise RuntimeError("a shared prefix was prefilled without the logits or pooled "
                                        "state its requests need")
-                jobs.append(_PrefixJob(path, request.image_features, ids, True, memory))
+                logits, pooled = self._prefix_needs(path, self._scheduler.active)
+                jobs.append(_PrefixJob(path, request.image_features, ids, logits, pooled))
         nodes = self._prefix_nodes(jobs)
         now = time.perf_counter()
         for request, node in zip(requests, nodes):
