@@ -4,6 +4,7 @@ fixed-k and deadline scheduling. No wall-clock assertions."""
 import dataclasses
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -208,3 +209,57 @@ def test_same_prompt_speech_and_memory_share_one_prefix_with_both_needs(model, m
     assert [e.seq for e in entries] == [0, 1]
     for entry in entries:
         assert entry.embedding is not None and entry.embedding.shape == (model.config.vlm_width,)
+
+
+def test_metrics_records_are_bounded_and_totals_stay_exact():
+    from oxygen_ros.engine.metrics import CycleRecord, EngineMetrics, RequestRecord
+
+    def cycle(seq):
+        return CycleRecord(seq=seq, frame_latency_s=0.1 + 0.001 * seq, action_latency_s=0.05,
+                           encode_s=0.01, prefill_s=0.02, denoise_s=0.02, decode_s=0.03,
+                           decode_steps=2, batch_sizes=[seq % 4 + 1, 1], vision_calls=1,
+                           images_encoded=2, prefilled_tokens=100, generated_tokens=3,
+                           deadline_missed=seq % 5 == 0, pool_used_bytes=1000 * (seq % 7))
+
+    window, total = 8, 100
+    metrics = EngineMetrics(action_horizon=10, pool_capacity_bytes=10**6, window=window)
+    records = [cycle(seq) for seq in range(total)]
+    for seq, record in enumerate(records):
+        metrics.add_cycle(record)
+        metrics.add_request(RequestRecord(seq, "speech", "completed" if seq % 3 else "dropped",
+                                          3, 0.01 * seq, 0.02 * seq))
+    assert len(metrics.cycles) == window and len(metrics.requests) == window
+    assert [c.seq for c in metrics.cycles] == list(range(total - window, total))
+    summary = metrics.summary()
+    busy = sum(r.frame_latency_s for r in records)
+    batches = [b for r in records for b in r.batch_sizes]
+    assert summary["frames"] == total
+    assert summary["frame_latency_s"]["mean"] == pytest.approx(busy / total)
+    assert summary["action_rate_hz"] == pytest.approx(10 * total / busy)
+    assert summary["tokens_per_s"] == pytest.approx(3 * total / busy)
+    assert summary["deadline_misses"] == sum(r.deadline_missed for r in records)
+    assert summary["mean_batch_size"] == pytest.approx(sum(batches) / len(batches))
+    assert summary["max_batch_size"] == 4
+    assert summary["mean_decode_steps_per_frame"] == pytest.approx(2.0)
+    assert summary["phase_mean_s"]["decode_s"] == pytest.approx(0.03)
+    assert summary["requests_by_status"] == {"completed": 66, "dropped": 34}
+    assert summary["peak_pool_bytes"] == 6000
+    assert summary["window"] == {"size": window, "cycles": window, "requests": window}
+    # Percentiles cover the window only.
+    assert summary["frame_latency_s"]["p50"] == pytest.approx(
+        float(np.median([r.frame_latency_s for r in records[-window:]])))
+    metrics.reset()
+    assert metrics.summary()["frames"] == 0 and not metrics.cycles and not metrics.requests
+    with pytest.raises(ValueError):
+        EngineMetrics(10, 10**6, window=0)
+
+
+def test_engine_metrics_window_comes_from_the_config(model):
+    engine = _engine(model, [dict(SPEECH, max_new_tokens=1)], metrics_window=3)
+    for seq in range(5):
+        engine.run_cycle(observation(seq, masked=ONE_CAM))
+    assert len(engine.metrics_records.cycles) == 3 and len(engine.metrics_records.requests) == 3
+    summary = engine.metrics()
+    assert summary["frames"] == 5 and summary["requests_by_status"] == {"completed": 5}
+    engine.reset_metrics()
+    assert engine.metrics()["frames"] == 0

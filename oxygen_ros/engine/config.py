@@ -204,6 +204,8 @@ class EngineConfig:
             is dropped.
         step_cost_ewma: weight of the newest sample in the online decode-step cost estimate.
         slack_margin_s: seconds kept free before the deadline (timer jitter, event handling).
+        metrics_window: most recent cycles and requests the metrics keep for percentiles (counters
+            are running totals, so memory stays flat on a long run).
     """
 
     mode: str = "unified"
@@ -218,6 +220,7 @@ class EngineConfig:
     max_waiting: int = 64
     step_cost_ewma: float = 0.3
     slack_margin_s: float = 0.002
+    metrics_window: int = 1000
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -241,6 +244,8 @@ class EngineConfig:
             raise ValueError("step_cost_ewma must be in (0, 1]")
         if self.slack_margin_s < 0:
             raise ValueError("slack_margin_s must be >= 0 s")
+        if self.metrics_window < 1:
+            raise ValueError(f"metrics_window must be >= 1, got {self.metrics_window}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "EngineConfig":

@@ -104,8 +104,9 @@ class Engine:
         self._scheduler = Scheduler(config, self._manager, self._action_reserve)
         self._estimator = StepCostEstimator(config.step_cost_ewma)
         self._tree = PrefixCache(self._manager)
-        self._metrics = EngineMetrics(cfg.action_horizon, self._pool.num_blocks *
-                                      self._pool.bytes_per_block)
+        self._metrics = EngineMetrics(cfg.action_horizon,
+                                      self._pool.num_blocks * self._pool.bytes_per_block,
+                                      config.metrics_window)
         self._frame_index = 0
         self._last_instruction: str | None = None
         self._last_fired: dict[str, float] = {}
@@ -213,11 +214,12 @@ class Engine:
 
     @property
     def metrics_records(self) -> EngineMetrics:
-        """The raw per-cycle and per-request records."""
+        """The metrics: running totals and the windowed per-cycle and per-request records."""
         return self._metrics
 
     def reset_metrics(self) -> None:
-        """Forget records and the pool's peak (e.g. after warm-up)."""
+        """Forget records, totals and the pool's peak (e.g. after a benchmark's warm-up). Not
+        needed to bound memory: the records are a window of ``config.metrics_window``."""
         self._metrics.reset()
         self._pool.peak_used_blocks = self._pool.num_used
 
@@ -298,7 +300,7 @@ class Engine:
             prefilled_tokens=after.prefilled_tokens - before.prefilled_tokens,
             generated_tokens=self._cycle_tokens, deadline_missed=end > deadline,
             pool_used_bytes=self._cycle_peak_blocks * self._pool.bytes_per_block, **timing)
-        self._metrics.cycles.append(record)
+        self._metrics.add_cycle(record)
         self._metrics.peak_pool_bytes = max(self._metrics.peak_pool_bytes,
                                             self._pool.peak_used_bytes)
         events, memories = self._take_outputs()
@@ -565,7 +567,7 @@ class Engine:
                 self._memories.append(MemoryEntry(request.request_id, request.task.name,
                                                   request.obs_seq, request.stamp, request.text,
                                                   embedding))
-            self._metrics.requests.append(RequestRecord(
+            self._metrics.add_request(RequestRecord(
                 request.request_id, request.task.name, request.status.value,
                 len(request.output_ids),
                 None if request.t_first_token is None else request.t_first_token - request.t_arrival,
