@@ -31,7 +31,7 @@ def _append(manager, seq, values):
     manager.prepare_append(seq, len(values))
     view = manager.view([seq], [len(values)])
     k = torch.tensor(values, dtype=torch.float32).view(1, -1, 1, 1).expand(1, len(values), 1, 2)
-    view.write(0, k.contiguous(), k.contiguous())
+    view.attend(0, k.contiguous(), k.contiguous())
     view.commit()
 
 
@@ -142,3 +142,37 @@ def test_prefix_tree_forks_share_images_and_free_on_last_reference(prefix, promp
     assert pool.num_free == pool.num_blocks
     with pytest.raises(KeyError):
         tree.insert((("images", 1), ("prompt", 0)), manager.new_sequence())
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(st.tuples(st.lists(st.integers(0, 4), min_size=1, max_size=5, unique=True),
+                                st.integers(0, 3)), min_size=1, max_size=12))
+def test_decode_rows_hold_exactly_each_sequences_tokens(steps):
+    """Batches join, leave and reorder between decode steps; prefills append behind the rows' back;
+    every step's keys are each row's tokens so far plus its new token, in the caller's order."""
+    manager = KVCacheManager(_pool(64))
+    root = manager.new_sequence()
+    _append(manager, root, [1.0, 2.0, 3.0, 4.0, 5.0])
+    seqs = [manager.fork(root) for _ in range(5)]
+    counter = 100.0
+    for members, prefill in steps:
+        batch = [seqs[i] for i in members]
+        if prefill:   # a prefill through an ordinary view between decode steps
+            _append(manager, batch[0], [counter + i for i in range(prefill)])
+            counter += prefill
+        for seq in batch:
+            manager.prepare_append(seq, 1)
+        expected = [_read(manager, seq) for seq in batch]
+        view, order = manager.decode_view(batch)
+        assert sorted(order) == list(range(len(batch)))
+        new = torch.tensor([counter + i for i in order]).view(-1, 1, 1, 1).expand(-1, 1, 1, 2)
+        counter += len(batch)
+        keys, values = view.attend(0, new.contiguous(), new.contiguous())
+        for row, i in enumerate(order):
+            n = batch[i].num_tokens
+            assert keys[row, :n + 1, 0, 0].tolist() == expected[i] + [new[row, 0, 0, 0].item()]
+            assert torch.equal(keys[row, :n + 1], values[row, :n + 1])
+        view.commit()
+        for i, seq in enumerate(batch):
+            assert _read(manager, seq)[-1] == new[order.index(i), 0, 0, 0].item()
+    assert manager.decode_rows <= 5

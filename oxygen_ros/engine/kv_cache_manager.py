@@ -7,8 +7,16 @@ whole block table; the first append into a page that is still shared copies that
 a page is free the moment its last reference ends.
 
 :class:`PagedKVCacheView` implements the models' ``KVCacheView`` protocol
-(``oxygen_ros/models/kv_cache.py``) for a batch of sequences: reads gather every row's pages with one
-``index_select`` per layer over a precomputed slot index, writes scatter with one ``index_copy_``.
+(``oxygen_ros/models/kv_cache.py``) for prefill and denoising: ``attend`` scatters the new tokens into
+their pages with one ``index_copy_`` per layer, then gathers every row's tokens with one
+``index_select`` over a slot index precomputed from the block tables.
+
+:class:`DecodeKVCacheView` serves batched decode steps. Gathering every request's whole prefix each
+step would copy the full batch's KV per step; instead the manager keeps the running batch's rows
+gathered in a dense decode workspace between steps (``decode rows``): a row is gathered once when
+its sequence joins the batch, and each step writes only the new token into its page and its row.
+The workspace is a copy of pool content, bounded by the largest batch times the longest sequence
+seen (at most ``max_batch_size`` rows), and holds nothing the pool does not.
 """
 
 from __future__ import annotations
@@ -44,6 +52,12 @@ class KVCacheManager:
         # Grow-only gather buffers per layer (K and V): reads reuse them instead of allocating
         # (and page-faulting) fresh multi-MiB tensors every decode step.
         self._workspace: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * pool.num_layers
+        # Decode rows: dense per-layer K/V [rows, length, kv_heads, head_dim]; row r of the batch
+        # holds the first _row_len[r] tokens of the sequence assigned to it in _rows.
+        self._decode_k: list[torch.Tensor] = []
+        self._decode_v: list[torch.Tensor] = []
+        self._rows: dict[KVSequence, int] = {}
+        self._row_len: list[int] = []
 
     def workspace(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V gather buffers of ``layer`` with at least ``rows`` token rows
@@ -121,6 +135,92 @@ class KVCacheManager:
         """
         return PagedKVCacheView(self, seqs, new_lens)
 
+    @property
+    def decode_rows(self) -> int:
+        """Rows of the decode workspace: the largest decode batch so far."""
+        return self._decode_k[0].shape[0] if self._decode_k else 0
+
+    def decode_view(self, seqs: list[KVSequence]) -> tuple["DecodeKVCacheView", list[int]]:
+        """A view for one decode step (one new token per sequence) over the decode rows.
+
+        The sequences are given rows ``0..B-1`` of the decode workspace: a sequence keeps its row
+        from the previous step when that row is below B, otherwise it takes a free one; rows of
+        sequences that left the batch are dropped. Only tokens a row lacks (a sequence that just
+        joined, or tokens appended by a prefill since) are gathered from the pages, with one
+        ``index_select`` and one ``index_copy_`` per layer for all rows together.
+
+        Args:
+            seqs: live sequences, each with a page for its next token (:meth:`prepare_append`).
+
+        Returns:
+            ``(view, order)``: the view's row j is ``seqs[order[j]]``.
+
+        Raises:
+            ValueError: empty batch, a sequence repeated or freed, or no page for the next token.
+        """
+        if not seqs or len(set(seqs)) != len(seqs):
+            raise ValueError("a decode view needs at least one sequence, each once")
+        bs = self.block_size
+        for seq in seqs:
+            self._check_live(seq)
+            if len(seq.block_table) * bs <= seq.num_tokens:
+                raise ValueError("sequence pages cannot hold its next token; call prepare_append")
+        batch = len(seqs)
+        kept = {seq: row for seq in seqs if (row := self._rows.get(seq, batch)) < batch}
+        free = iter(sorted(set(range(batch)) - set(kept.values())))
+        self._rows = {seq: kept[seq] if seq in kept else next(free) for seq in seqs}
+        self._ensure_decode_rows(batch, max(seq.num_tokens for seq in seqs) + 1)
+        for seq, row in self._rows.items():
+            if seq not in kept:
+                self._row_len[row] = 0
+        self._sync_rows()
+        order = sorted(range(batch), key=lambda i: self._rows[seqs[i]])
+        return DecodeKVCacheView(self, [seqs[i] for i in order]), order
+
+    def _ensure_decode_rows(self, rows: int, length: int) -> None:
+        """Grow the decode workspace to at least ``rows`` x ``length`` tokens, keeping content."""
+        have_rows, have_len = (self._decode_k[0].shape[:2] if self._decode_k else (0, 0))
+        if rows <= have_rows and length <= have_len:
+            return
+        new_rows = max(rows, have_rows)
+        # Round lengths up to 4 pages so that sequences growing by one token rarely reallocate.
+        quantum = 4 * self.block_size
+        new_len = max(have_len, -(-length // quantum) * quantum)
+        like = self.pool.k[0]
+        shape = (new_rows, new_len, *like.shape[2:])
+        for buffers in (self._decode_k, self._decode_v):
+            for layer in range(self.pool.num_layers):
+                grown = like.new_zeros(shape)
+                if buffers and have_rows:
+                    grown[:have_rows, :have_len] = buffers[layer]
+                if len(buffers) <= layer:
+                    buffers.append(grown)
+                else:
+                    buffers[layer] = grown
+        self._row_len.extend([0] * (new_rows - len(self._row_len)))
+
+    def _sync_rows(self) -> None:
+        """Gather, for every decode row, the tokens its sequence has and the row lacks."""
+        bs = self.block_size
+        width = self._decode_k[0].shape[1]
+        sources, targets = [], []
+        for seq, row in self._rows.items():
+            have = self._row_len[row]
+            if have < seq.num_tokens:
+                positions = torch.arange(have, seq.num_tokens)
+                table = torch.tensor(seq.block_table, dtype=torch.long)
+                sources.append(table[positions // bs] * bs + positions % bs)
+                targets.append(row * width + positions)
+                self._row_len[row] = seq.num_tokens
+        if not sources:
+            return
+        device = self.pool.k[0].device
+        src, dst = torch.cat(sources).to(device), torch.cat(targets).to(device)
+        for pool, rows in ((self.pool.k, self._decode_k), (self.pool.v, self._decode_v)):
+            for layer in range(self.pool.num_layers):
+                flat = pool[layer].view(-1, *pool[layer].shape[2:])
+                rows[layer].view(-1, *flat.shape[1:]).index_copy_(0, dst, flat.index_select(0, src))
+
     def _tail_shared(self, seq: KVSequence) -> bool:
         """Whether the page the next token lands in exists and is shared with another sequence."""
         tail_index = seq.num_tokens // self.block_size
@@ -134,14 +234,16 @@ class KVCacheManager:
 
 
 class PagedKVCacheView:
-    """The models' ``KVCacheView`` over paged storage for a batch of B sequences.
+    """The models' ``KVCacheView`` over paged storage for a batch of B sequences (prefill, denoise).
 
-    Rows may have different cached lengths (ragged batch): row b's cached tokens are read from its
-    block table, left-packed, and padded to ``Lc = max(cached_lens)`` with ``valid`` False beyond
-    ``cached_lens[b]``. The slot index is built once per view, so each layer's read is one
-    ``index_select`` per K and V into the manager's reusable buffers: the tensors a read returns
-    are valid until the next read of the same layer through the same manager (the model uses them
-    within its forward; denoising reads every layer once, before its loop).
+    Rows may have different lengths (ragged batch). :meth:`read` returns row b's cached tokens
+    left-packed and padded to ``Lc = max(cached_lens)`` (``valid`` False beyond ``cached_lens[b]``);
+    :meth:`attend` first stores the new tokens in their pages, then returns row b's cached and new
+    tokens ``[:cached_lens[b] + new_lens[b]]``, padded to their maximum. Slot indices are built once
+    per view, so each is one ``index_select`` per K and V into the manager's reusable buffers: the
+    tensors returned are valid until the next read or attend of the same layer through the same
+    manager (the model uses them within its forward; denoising reads every layer once, before its
+    loop).
 
     Raises (construction):
         ValueError: lengths do not match the batch, a sequence was freed, or its pages cannot hold
@@ -172,23 +274,26 @@ class PagedKVCacheView:
         table = torch.zeros((len(seqs), max_blocks), dtype=torch.long)
         for row, seq in enumerate(seqs):
             table[row, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
-        # Flat slot of token t in row b: table[b, t // bs] * bs + t % bs (padding reads slot 0).
-        lc = max(cached)
-        positions = torch.arange(lc)
-        self._valid = positions[None, :] < self._cached_lens[:, None]
-        read_slots = table[:, positions // bs] * bs + positions % bs
-        self._read_slots = torch.where(self._valid, read_slots, 0).reshape(-1).to(device)
-        self._valid = self._valid.to(device)
-        self._lc = lc
-        max_new = max(new)
-        self._max_new = max_new
-        if max_new > 0:
-            steps = torch.arange(max_new)
+
+        def slots(lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+            """Flat slots of tokens ``[:lens[b]]`` of each row (padding reads slot 0) and validity."""
+            width = int(lens.max())
+            positions = torch.arange(width)
+            valid = positions[None, :] < lens[:, None]
+            flat = table[:, torch.clamp(positions // bs, max=max_blocks - 1)] * bs + positions % bs
+            return torch.where(valid, flat, 0).reshape(-1).to(device), valid, width
+
+        self._read_slots, valid, self._lc = slots(self._cached_lens)
+        self._valid = valid.to(device)
+        self._max_new = max(new)
+        if self._max_new > 0:
+            self._attend_slots, _, self._la = slots(self._cached_lens + self._new_lens)
+            steps = torch.arange(self._max_new)
             write_mask = steps[None, :] < self._new_lens[:, None]
             pos = self._cached_lens[:, None] + steps[None, :]
             rows = torch.arange(len(seqs))[:, None].expand_as(pos)
-            slots = table[rows, torch.clamp(pos // bs, max=max_blocks - 1)] * bs + pos % bs
-            self._write_slots = slots[write_mask].to(device)
+            written = table[rows, torch.clamp(pos // bs, max=max_blocks - 1)] * bs + pos % bs
+            self._write_slots = written[write_mask].to(device)
             self._write_all = bool(write_mask.all())
             self._write_src = write_mask.reshape(-1).nonzero().squeeze(1).to(device)
         self._written: set[int] = set()
@@ -205,28 +310,25 @@ class PagedKVCacheView:
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Cached ``(k, v, valid)`` of ``layer``: ``[B, Lc, kv_heads, head_dim]`` x2, bool ``[B, Lc]``."""
-        k_pool, v_pool = self._pool.k[layer], self._pool.v[layer]
-        shape = (len(self._seqs), self._lc, *k_pool.shape[2:])
-        k_out, v_out = self._manager.workspace(layer, self._read_slots.shape[0])
-        torch.index_select(k_pool.view(-1, *k_pool.shape[2:]), 0, self._read_slots, out=k_out)
-        torch.index_select(v_pool.view(-1, *v_pool.shape[2:]), 0, self._read_slots, out=v_out)
-        return k_out.view(shape), v_out.view(shape), self._valid
+        k, v = self._gather(layer, self._read_slots, self._lc)
+        return k, v, self._valid
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store rows' new tokens ``[:new_lens[b]]`` of k, v ``[B, T, kv_heads, head_dim]``.
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store rows' new tokens ``[:new_lens[b]]`` of k, v ``[B, T, kv_heads, head_dim]`` in their
+        pages and return every row's cached + new tokens, ``[B, max(cached + new), kv_heads, hd]``.
 
         Raises:
             RuntimeError: the view is read-only.
             ValueError: T < max(new_lens) or the batch size differs.
         """
         if self._read_only:
-            raise RuntimeError("write() on a read-only KV view (denoising never writes the prefix)")
+            raise RuntimeError("attend() on a read-only KV view (denoising never writes the prefix)")
         if k.shape[0] != len(self._seqs) or k.shape[1] < self._max_new or k.shape != v.shape:
-            raise ValueError(f"write of k {tuple(k.shape)} / v {tuple(v.shape)} for "
+            raise ValueError(f"attend of k {tuple(k.shape)} / v {tuple(v.shape)} for "
                              f"{len(self._seqs)} rows with up to {self._max_new} new tokens")
+        self._written.add(layer)
         if self._max_new == 0:
-            self._written.add(layer)
-            return
+            return self._gather(layer, self._read_slots, self._lc)
         k_pool, v_pool = self._pool.k[layer], self._pool.v[layer]
         k = k[:, :self._max_new].reshape(-1, *k.shape[2:])
         v = v[:, :self._max_new].reshape(-1, *v.shape[2:])
@@ -234,19 +336,111 @@ class PagedKVCacheView:
             k, v = k.index_select(0, self._write_src), v.index_select(0, self._write_src)
         k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, self._write_slots, k.to(k_pool.dtype))
         v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, self._write_slots, v.to(v_pool.dtype))
-        self._written.add(layer)
+        return self._gather(layer, self._attend_slots, self._la)
+
+    def _gather(self, layer: int, slots: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k_pool, v_pool = self._pool.k[layer], self._pool.v[layer]
+        shape = (len(self._seqs), width, *k_pool.shape[2:])
+        k_out, v_out = self._manager.workspace(layer, slots.shape[0])
+        torch.index_select(k_pool.view(-1, *k_pool.shape[2:]), 0, slots, out=k_out)
+        torch.index_select(v_pool.view(-1, *v_pool.shape[2:]), 0, slots, out=v_out)
+        return k_out.view(shape), v_out.view(shape)
 
     def commit(self) -> None:
         """End the forward: each sequence now holds its new tokens.
 
         Raises:
-            RuntimeError: some layer was not written during a forward that appends tokens.
+            RuntimeError: some layer was not attended during a forward that appends tokens.
         """
         if self._read_only:
             return
         if len(self._written) != self._pool.num_layers:
             raise RuntimeError(f"commit() after {len(self._written)} of {self._pool.num_layers} "
-                               "layers written")
+                               "layers attended")
         for seq, n in zip(self._seqs, self._new_lens.tolist()):
             seq.num_tokens += n
         self._read_only = True
+
+
+class DecodeKVCacheView:
+    """The models' ``KVCacheView`` for one decode step over the manager's decode rows.
+
+    Built by :meth:`KVCacheManager.decode_view`: row b of the batch is row b of the decode
+    workspace, already holding the sequence's ``cached_lens[b]`` tokens. :meth:`attend` writes the
+    new token into its page and into the row (one ``index_copy_`` each per K and V) and returns
+    views of the rows, ``[B, max(cached_lens) + 1, kv_heads, head_dim]``: no per-step gather.
+    """
+
+    def __init__(self, manager: KVCacheManager, seqs: list[KVSequence]):
+        pool, bs = manager.pool, manager.block_size
+        self._pool = pool
+        self._manager = manager
+        self._seqs = seqs
+        cached = torch.tensor([seq.num_tokens for seq in seqs], dtype=torch.long)
+        self._cached_lens = cached
+        self._new_lens = torch.ones_like(cached)
+        device = pool.k[0].device
+        width = manager._decode_k[0].shape[1]
+        tail = torch.tensor([seq.block_table[seq.num_tokens // bs] for seq in seqs], dtype=torch.long)
+        self._page_slots = (tail * bs + cached % bs).to(device)
+        self._row_slots = (torch.arange(len(seqs)) * width + cached).to(device)
+        self._length = int(cached.max()) + 1
+        self._attended: set[int] = set()
+        self._committed = False
+
+    @property
+    def cached_lens(self) -> torch.Tensor:
+        """int64 ``[B]``: tokens already cached per sequence before this step."""
+        return self._cached_lens
+
+    @property
+    def new_lens(self) -> torch.Tensor:
+        """int64 ``[B]``: all ones (one new token per sequence)."""
+        return self._new_lens
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Cached ``(k, v, valid)`` of ``layer``: views ``[B, Lc, kv_heads, hd]``, bool ``[B, Lc]``."""
+        length = self._length - 1
+        valid = torch.arange(length)[None, :] < self._cached_lens[:, None]
+        rows = len(self._seqs)
+        return (self._manager._decode_k[layer][:rows, :length],
+                self._manager._decode_v[layer][:rows, :length], valid.to(self._page_slots.device))
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new token ``k, v [B, 1, kv_heads, hd]`` in its page and its decode row; return
+        the rows ``[B, max(cached_lens) + 1, kv_heads, hd]`` (views of the workspace).
+
+        Raises:
+            RuntimeError: the step was already committed.
+            ValueError: k or v is not ``[B, 1, ...]``.
+        """
+        if self._committed:
+            raise RuntimeError("attend() after commit(): a decode view serves one step")
+        if k.shape[:2] != (len(self._seqs), 1) or k.shape != v.shape:
+            raise ValueError(f"decode attend needs k, v [{len(self._seqs)}, 1, ...], got "
+                             f"{tuple(k.shape)} / {tuple(v.shape)}")
+        rows = len(self._seqs)
+        for pool, dense, new in ((self._pool.k, self._manager._decode_k, k),
+                                 (self._pool.v, self._manager._decode_v, v)):
+            token = new[:, 0].to(pool[layer].dtype)
+            pool[layer].view(-1, *token.shape[1:]).index_copy_(0, self._page_slots, token)
+            dense[layer].view(-1, *token.shape[1:]).index_copy_(0, self._row_slots, token)
+        self._attended.add(layer)
+        return (self._manager._decode_k[layer][:rows, :self._length],
+                self._manager._decode_v[layer][:rows, :self._length])
+
+    def commit(self) -> None:
+        """End the step: each sequence (and its decode row) holds its new token.
+
+        Raises:
+            RuntimeError: some layer was not attended.
+        """
+        if self._committed:
+            return
+        if len(self._attended) != self._pool.num_layers:
+            raise RuntimeError(f"commit() after {len(self._attended)} of {self._pool.num_layers} "
+                               "layers attended")
+        for row, seq in enumerate(self._seqs):
+            seq.num_tokens += 1
+            self._manager._row_len[row] += 1
+        self._committed = True

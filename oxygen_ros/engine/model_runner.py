@@ -152,17 +152,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode_step(self, seqs: list[KVSequence], token_ids: list[int]) -> torch.Tensor:
-        """One batched decode step: append one token per sequence; fp32 logits ``[B, V]``.
+        """One batched decode step: append one token per sequence; fp32 logits ``[B, V]`` in the
+        order of ``seqs``. The K/V is read from the manager's decode rows (no per-step gather).
 
         The caller reserved the pages (admission charge) so allocation cannot fail here.
         """
         for seq in seqs:
             self.manager.prepare_append(seq, 1)
-        view = self.manager.view(seqs, [1] * len(seqs))
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        view, order = self.manager.decode_view(seqs)
+        ids = torch.tensor([token_ids[i] for i in order], dtype=torch.long, device=self.device)
         logits = self.model.decode_step(ids, view)
         view.commit()
         self.counters.decode_steps += 1
         self.counters.decoded_tokens += len(seqs)
-        return logits.float()
+        # The view's row j is seqs[order[j]]: put the logits back in the caller's order.
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        return logits.float()[inverse.to(logits.device)]
 

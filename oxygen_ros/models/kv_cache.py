@@ -3,12 +3,15 @@
 The model computes keys and values; where they live is not its business. Every cached forward
 (prefill, denoise, decode step) receives a :class:`KVCacheView`: a batch of B sequences, each with
 some tokens already cached (``cached_lens[b]``, possibly 0) and, for prefill and decode, some new
-tokens to append (``new_lens[b]``). The model reads the cached part of each layer, concatenates it
-with the K/V of the new tokens for attention, and asks the view to store the new part.
+tokens to append (``new_lens[b]``). In each layer the model hands the new tokens' K/V to
+:meth:`KVCacheView.attend`, which stores them and returns the keys and values attention runs over
+(cached tokens followed by the new ones, per row); a read-only forward (denoising) uses
+:meth:`KVCacheView.read`.
 
 Two implementations exist: :class:`DenseKVCache` here (contiguous tensors, for the model's own tests
 and the cache-free/reference comparisons) and the engine's paged pool (block tables, reference
-counts), which implements the same protocol over shared pages.
+counts), which implements the same protocol over shared pages and keeps the rows of a running
+decode batch gathered between steps, so a decode step copies only the new token.
 
 Shapes: K and V are ``[B, T, num_kv_heads, head_dim]``; masks are bool ``[B, T]`` with True = valid.
 Tokens of a sequence are left-packed: the valid tokens of sequence b are ``[:cached_lens[b]]`` in the
@@ -41,10 +44,22 @@ class KVCacheView(Protocol):
         valid: bool ``[B, Lc]``. Never includes tokens written during the current forward.
         """
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the new tokens of ``layer``: k, v ``[B, T, num_kv_heads, head_dim]``, T >= max(new_lens).
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens of ``layer`` and return the keys and values to attend over.
 
-        Only ``[:new_lens[b]]`` of each row is stored. Raises ``RuntimeError`` on a read-only view.
+        Args:
+            layer: VLM layer index; every layer is attended exactly once per forward.
+            k, v: new tokens ``[B, T, num_kv_heads, head_dim]``, T >= max(new_lens); only
+                ``[:new_lens[b]]`` of row b is stored.
+
+        Returns:
+            ``(keys, values)`` ``[B, L, num_kv_heads, head_dim]`` with ``L >= max(cached_lens +
+            new_lens)``: row b holds its cached tokens at ``[:cached_lens[b]]`` followed by its new
+            tokens at ``[cached_lens[b] : cached_lens[b] + new_lens[b]]``; later entries are padding
+            the caller masks. Valid until the next ``attend`` of the same layer on the same storage.
+
+        Raises:
+            RuntimeError: the view is read-only.
         """
 
 
@@ -94,13 +109,25 @@ class DenseKVCache:
         valid = torch.arange(length)[None, :] < self._cached_lens[:, None]
         return self._k[layer], self._v[layer], valid.to(self._k[layer].device)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._read_only:
-            raise RuntimeError("write() on a read-only KV view (denoising never writes the prefix)")
+            raise RuntimeError("attend() on a read-only KV view (denoising never writes the prefix)")
         self._pending[layer] = (k, v)
+        return self._joined(self._k[layer], k), self._joined(self._v[layer], v)
+
+    def _joined(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``[B, Lc + T, ...]``: the cached rows with each row's new tokens placed right after them."""
+        b, t = new.shape[:2]
+        out = torch.cat((old.to(new.dtype), new.new_zeros(new.shape)), dim=1)
+        steps = torch.arange(t)
+        keep = steps[None, :] < self._new_lens[:, None]
+        rows = torch.arange(b)[:, None].expand(b, t)
+        cols = self._cached_lens[:, None] + steps[None, :]
+        out[rows[keep].to(out.device), cols[keep].to(out.device)] = new[keep.to(new.device)]
+        return out
 
     def commit(self) -> None:
-        """Append the tokens written since :meth:`begin` (every layer must have been written)."""
+        """Append the tokens attended since :meth:`begin` (every layer must have been attended)."""
         if self._read_only:
             return
         if len(self._pending) != self._num_layers:

@@ -326,22 +326,46 @@ class VLAModel(nn.Module):
         return self._lm_logits(self.vlm.norm(hidden[:, 0])[0])
 
     def _vlm_cached(self, x: torch.Tensor, kv: KVCacheView, new_mask: torch.Tensor) -> torch.Tensor:
-        """VLM layers over new tokens ``x [B, T, W]`` with cached K/V; ``new_mask [B, T, T]`` among new."""
+        """VLM layers over new tokens ``x [B, T, W]`` with cached K/V; ``new_mask [B, T, T]`` among new.
+
+        Positions, RoPE tables and the attention mask depend on the lengths only, so they are built
+        once per forward; each layer hands its new K/V to ``kv.attend`` and attends over what it
+        returns (cached tokens, then the new ones, per row).
+        """
         b, t = x.shape[:2]
-        positions = kv.cached_lens.to(self.device)[:, None] + torch.arange(t, device=self.device)[None, :]
+        cached = kv.cached_lens.to(self.device)
+        new_lens = kv.new_lens.to(self.device)
+        positions = cached[:, None] + torch.arange(t, device=self.device)[None, :]
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, x.dtype)
         mask = None
         for i, layer in enumerate(self.vlm.layers):
-            k_cached, v_cached, valid = kv.read(i)
-            if mask is None:
-                mask = torch.cat((valid.to(self.device)[:, None, :].expand(b, t, -1), new_mask), dim=2)
             q, k, v, _ = layer.project_qkv(x)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            kv.write(i, k, v)
-            keys = torch.cat((k_cached.to(k.dtype), k), dim=1)
-            values = torch.cat((v_cached.to(v.dtype), v), dim=1)
+            keys, values = kv.attend(i, k, v)
+            if mask is None:
+                mask = self._cached_mask(cached, new_lens, new_mask, keys.shape[1])
             x = layer.finish(x, attention(q, keys, values, mask), None)
         return x
+
+    @staticmethod
+    def _cached_mask(cached: torch.Tensor, new_lens: torch.Tensor, new_mask: torch.Tensor,
+                     length: int) -> torch.Tensor:
+        """bool ``[B, T, length]`` mask over the keys of :meth:`KVCacheView.attend`.
+
+        Key j of row b is a cached token when ``j < cached[b]`` (always visible), new token
+        ``j - cached[b]`` when below ``cached[b] + new_lens[b]`` (visible per ``new_mask``), else
+        padding. Padded queries (``>= new_lens[b]``) see key 0 only, so no row is empty.
+        """
+        b, t = new_mask.shape[:2]
+        keys = torch.arange(length, device=cached.device)[None, None, :]
+        if t == 1:   # one new token (decode step): it sees every cached token and itself
+            return (keys < (cached + new_lens)[:, None, None]) | (keys == 0)
+        offset = keys - cached[:, None, None]
+        in_new = (offset >= 0) & (offset < new_lens[:, None, None])
+        among_new = torch.gather(new_mask, 2, offset.clamp(0, t - 1).expand(b, t, length))
+        queries = torch.arange(t, device=cached.device)[None, :, None]
+        padded = (queries >= new_lens[:, None, None]) & (keys == 0)
+        return (offset < 0) | (in_new & among_new) | padded
 
     def _lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final-normed ``h [B, W]`` through the tied embedding (fp32 matmul, so bf16
