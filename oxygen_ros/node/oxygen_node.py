@@ -384,8 +384,6 @@ class OxygenNode(LifecycleNode):
         self._status.record_cycle(result.record, dropped, engine.pool.used_bytes,
                                   sum(r.status == RequestStatus.RUNNING for r in active),
                                   sum(r.status == RequestStatus.WAITING for r in active))
-        if len(engine.metrics_records.cycles) > 1000:   # the node keeps its own windowed figures
-            engine.reset_metrics()
 
     def _publish_action(self, chunk: ActionChunk, info: _ObservationInfo, settings: NodeSettings) -> None:
         self._chunk_pub.publish(conversions.action_chunk_msg(
