@@ -179,13 +179,19 @@ def test_bad_observation_is_a_clear_error(model):
 def test_step_cost_estimate_is_online_and_conservative():
     from oxygen_ros.engine.scheduler import StepCostEstimator
 
-    estimator = StepCostEstimator(alpha=0.5)
+    estimator = StepCostEstimator(quantile=0.9, window=4)
     assert estimator.estimate_decode(4) is None and estimator.estimate_prefill(10) is None
-    estimator.observe_decode(2, 0.010)
-    estimator.observe_decode(2, 0.020)
-    assert estimator.estimate_decode(2) == pytest.approx(0.015)       # EWMA
-    assert estimator.estimate_decode(1) == pytest.approx(0.015)       # nearest larger measured
-    assert estimator.estimate_decode(8) == pytest.approx(0.060)       # linear above the largest
+    assert estimator.fitting_batch(6, 1.0) == 1          # nothing measured: learn with one request
+    for seconds in (0.010, 0.010, 0.010, 0.020):
+        estimator.observe_decode(2, seconds)
+    assert estimator.estimate_decode(2) == pytest.approx(0.017)       # p90 of the window
+    for seconds in (0.010, 0.010, 0.010, 0.010):
+        estimator.observe_decode(2, seconds)                          # the outlier left the window
+    assert estimator.estimate_decode(2) == pytest.approx(0.010)
+    assert estimator.estimate_decode(1) == pytest.approx(0.010)       # nearest larger measured
+    assert estimator.estimate_decode(8) == pytest.approx(0.040)       # linear above the largest
+    assert estimator.fitting_batch(8, 0.025) == 5                     # 5 x 0.005 fits, 6 not
+    assert estimator.fitting_batch(8, 0.001) == 0
     estimator.observe_decode(8, 0.020)
     assert estimator.estimate_decode(5) == pytest.approx(0.020)
     estimator.observe_prefill(100, 0.5)

@@ -202,7 +202,9 @@ class EngineConfig:
         max_batch_size: most language requests advanced by one decode step.
         max_waiting: most requests queued for admission; beyond it the oldest lowest-priority one
             is dropped.
-        step_cost_ewma: weight of the newest sample in the online decode-step cost estimate.
+        step_cost_quantile: quantile of recent measured step costs the deadline scheduler budgets
+            with (0.9 = p90: conservative against slow outliers).
+        step_cost_window: recent measurements kept per decode batch size (and for prefill).
         slack_margin_s: seconds kept free before the deadline (timer jitter, event handling).
         metrics_window: most recent cycles and requests the metrics keep for percentiles (counters
             are running totals, so memory stays flat on a long run).
@@ -218,7 +220,8 @@ class EngineConfig:
     language_tasks: tuple[TaskConfig, ...] = ()
     max_batch_size: int = 64
     max_waiting: int = 64
-    step_cost_ewma: float = 0.3
+    step_cost_quantile: float = 0.9
+    step_cost_window: int = 32
     slack_margin_s: float = 0.002
     metrics_window: int = 1000
 
@@ -240,8 +243,10 @@ class EngineConfig:
             raise ValueError(f"language task names must be unique, got {names}")
         if self.max_batch_size < 1 or self.max_waiting < 0:
             raise ValueError("max_batch_size must be >= 1 and max_waiting >= 0")
-        if not 0 < self.step_cost_ewma <= 1:
-            raise ValueError("step_cost_ewma must be in (0, 1]")
+        if not 0 < self.step_cost_quantile <= 1:
+            raise ValueError("step_cost_quantile must be in (0, 1]")
+        if self.step_cost_window < 1:
+            raise ValueError("step_cost_window must be >= 1")
         if self.slack_margin_s < 0:
             raise ValueError("slack_margin_s must be >= 0 s")
         if self.metrics_window < 1:

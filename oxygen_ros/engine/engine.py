@@ -102,7 +102,7 @@ class Engine:
         # Action reserve: the largest action prefix plus one copy-on-write page for a fork.
         self._action_reserve = self._manager.blocks_for(image_tokens + prompt_budget) + 1
         self._scheduler = Scheduler(config, self._manager, self._action_reserve)
-        self._estimator = StepCostEstimator(config.step_cost_ewma)
+        self._estimator = StepCostEstimator(config.step_cost_quantile, config.step_cost_window)
         self._tree = PrefixCache(self._manager)
         self._metrics = EngineMetrics(cfg.action_horizon,
                                       self._pool.num_blocks * self._pool.bytes_per_block,
@@ -327,14 +327,9 @@ class Engine:
             else:
                 # The largest highest-priority prefix of the batch whose estimated step cost fits
                 # the slack; stepping it also measures that batch size for the estimate.
-                remaining = deadline - time.perf_counter() - margin
-                size = len(batch)
-                while size > 0:
-                    estimate = self._estimator.estimate_decode(size)
-                    if estimate is None or estimate <= remaining:
-                        break
-                    size -= 1
-                if remaining <= 0 or size == 0:
+                size = self._estimator.fitting_batch(
+                    len(batch), deadline - time.perf_counter() - margin)
+                if size == 0:
                     break
                 batch = batch[:size]
             self._decode_step(batch)

@@ -13,14 +13,18 @@ model. Memory policy (vLLM-style reservation, simplified to a worst case per req
   ``preempted``) if that makes room; otherwise it waits (``admission: wait``, up to ``max_wait_s`` of
   observation time) or ends as ``dropped`` (``admission: drop``, or a charge above the whole pool).
 
-The step-cost estimate is an EWMA per batch size of measured decode steps (and per prefilled token
-for prefills); the deadline-aware engine spends slack only on steps whose estimate fits.
+The step-cost estimate is a high quantile (p90 by default) of the recent measured decode steps per
+batch size (and per prefilled token for prefills); the deadline-aware engine starts a step, or
+admits a prefill, only when its estimate fits the slack left before the deadline.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Callable
+
+import numpy as np
 
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.kv_cache_manager import KVCacheManager
@@ -29,31 +33,38 @@ from oxygen_ros.engine.types import RequestStatus
 
 
 class StepCostEstimator:
-    """Online cost estimates in seconds: decode steps per batch size, prefill per token.
+    """Online, conservative cost estimates in seconds: decode steps per batch size, prefill per token.
 
-    ``estimate_decode(b)`` returns the EWMA for batch size ``b`` when measured, else the estimate of
-    the nearest larger measured batch (decode cost grows with the batch), else the largest smaller
-    measured batch scaled linearly by ``b / b_known`` (conservative), else None (nothing measured).
+    Each estimate is a high quantile (e.g. p90) of the most recent ``window`` measurements, so a
+    few slow steps (another process on the cores, a page fault) make the scheduler more careful
+    at once instead of being averaged away. ``estimate_decode(b)`` uses batch size ``b``'s own
+    samples when measured, else the estimate of the nearest larger measured batch (decode cost
+    grows with the batch), else the largest smaller measured batch scaled linearly by
+    ``b / b_known`` (conservative), else None (nothing measured yet).
 
     Args:
-        alpha: weight of the newest sample, in (0, 1].
+        quantile: the quantile of recent samples used, in (0, 1].
+        window: recent samples kept per batch size (and for prefill), >= 1.
     """
 
-    def __init__(self, alpha: float):
-        self._alpha = alpha
+    def __init__(self, quantile: float, window: int):
+        self._quantile = quantile
+        self._window = window
+        self._decode_samples: dict[int, deque[float]] = {}
         self._decode: dict[int, float] = {}
+        self._prefill_samples: deque[float] = deque(maxlen=window)
         self._prefill_per_token: float | None = None
 
     def observe_decode(self, batch: int, seconds: float) -> None:
-        old = self._decode.get(batch)
-        self._decode[batch] = seconds if old is None else old + self._alpha * (seconds - old)
+        samples = self._decode_samples.setdefault(batch, deque(maxlen=self._window))
+        samples.append(seconds)
+        self._decode[batch] = float(np.quantile(samples, self._quantile))
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens <= 0:
             return
-        sample = seconds / tokens
-        old = self._prefill_per_token
-        self._prefill_per_token = sample if old is None else old + self._alpha * (sample - old)
+        self._prefill_samples.append(seconds / tokens)
+        self._prefill_per_token = float(np.quantile(self._prefill_samples, self._quantile))
 
     def estimate_decode(self, batch: int) -> float | None:
         if batch in self._decode:
@@ -65,6 +76,16 @@ class StepCostEstimator:
             known = max(self._decode)
             return self._decode[known] * batch / known
         return None
+
+    def fitting_batch(self, batch: int, seconds: float) -> int:
+        """The largest batch size ``<= batch`` whose estimated step fits in ``seconds`` (0 if none);
+        1 while nothing is measured, so the first step taken is the cheapest one."""
+        if not self._decode:
+            return min(batch, 1) if seconds > 0 else 0
+        for size in range(batch, 0, -1):
+            if self.estimate_decode(size) <= seconds:
+                return size
+        return 0
 
     def estimate_prefill(self, tokens: int) -> float | None:
         return None if self._prefill_per_token is None else self._prefill_per_token * tokens
