@@ -11,11 +11,18 @@ k in {1, 5, 10}, S = 10 denoising steps, H = the preset's horizon (10 for the ti
 two-task mode (speech with the action prompt + memory with the language prompt).
 
 Bound (the model's own costs, measured in the same run): with P = vision + prefill of one prefix,
-D = the denoising loop and d = one decode step, isolated execution costs ``2P + D + N·d`` per frame
-and unified at best ``P + D + k·d``; the best speedup is their ratio. Two-task mode: isolated
-``3P + D + 2N·d`` against unified ``P + (P - V) + D + k·d`` (the memory prompt needs its own
-prefill, V = vision time, shared). Speedup = unified action rate / isolated action rate, where the
-action rate is H / frame latency.
+D = the denoising loop and d = one decode step of ONE request, isolated execution costs
+``2P + D + N·d`` per frame and unified at best ``P + D + k·d``; the best speedup is their ratio
+(unified reaches it only if a batched decode step costs about as much as a single one). Two-task
+mode: isolated ``3P + D + 2N·d`` against unified ``P + (P - V) + D + k·d`` (the memory prompt needs
+its own prefill, V = vision time, shared). Speedup = unified action rate / isolated action rate,
+where the action rate is H / frame latency.
+
+Timing statistic: medians. Frame latencies, P, V, D and d are per-frame medians, so a few frames
+slowed by other processes on a shared machine do not decide a ratio (means are in the JSON).
+
+Deadline mode: the control period lies halfway between unified's best frame (P + D + d) and an
+isolated frame at the largest N (2P + D + N·d), so isolated misses it on most cycles.
 
 Usage: ``oxygen-bench-engine --frames 30`` (``--frames 5 --quick`` for a smoke run); writes a table to
 stdout and JSON to ``--out``.
@@ -77,7 +84,9 @@ class Bench:
             "language_tasks": tasks, "max_batch_size": 256, "max_waiting": 256})
 
     def run(self, config: EngineConfig, warmup: int | None = None) -> dict:
-        """Warm up, reset metrics, run the measured frames, flush; the engine's summary."""
+        """Warm up, reset metrics, run the measured frames, flush; the engine's summary plus
+        ``tokens_per_s_at_period``: tokens over the wall time of frames started one control
+        period apart (a frame that overruns delays the next), the throughput a robot sees."""
         engine = Engine(self.model, self.processor, config)
         warmup = self.warmup if warmup is None else warmup
         observations = _observations(self.robot, warmup + self.frames, 0, self.instruction)
@@ -87,6 +96,10 @@ class Bench:
         for obs in observations[warmup:]:
             engine.run_cycle(obs)
         summary = engine.metrics()
+        period = config.action.control_period_s
+        cycles = engine.metrics_records.cycles
+        wall = sum(max(period, c.frame_latency_s) for c in cycles)
+        summary["tokens_per_s_at_period"] = sum(c.generated_tokens for c in cycles) / wall
         engine.flush()
         engine.close()
         return summary
@@ -103,24 +116,28 @@ def memory(n: int) -> dict:
             "max_wait_s": 1e9}
 
 
-def batch_scaling(model, processor, robot, budget: int, batch: int, repeats: int) -> dict:
+def batch_scaling(model, processor, robot, budget: int, batch: int, repeats: int,
+                  shared_prefix: bool = True) -> dict:
     """Median seconds of one decode step for 1 and for ``batch`` requests over paged KV.
 
-    The requests fork one real prefix (every camera + the action prompt) and then hold ragged
-    numbers of decoded tokens (0..29), as cross-frame batches do.
+    The requests hold a real prefix (every camera + the action prompt) and then ragged numbers of
+    decoded tokens (0..29). ``shared_prefix``: they fork one prefix (the issue's protocol);
+    otherwise each has its own observation's prefix, as in a cross-frame batch.
     """
     cfg = model.config
     pool = BlockPool(cfg.vlm_num_layers, cfg.num_kv_heads, cfg.head_dim, 16, budget,
                      dtype=model.dtype, device=model.device)
     manager = KVCacheManager(pool)
     runner = ModelRunner(model, processor, manager)
-    obs = _observations(robot, 1, 99, "describe the scene")[0]
-    features = runner.encode(list(obs.images.values()))
-    ids = processor.prompt_ids(ACTION_PROMPT, obs.instruction, obs.state)
-    embeds = torch.cat([features.reshape(-1, features.shape[-1]), runner.embed_prompt(ids)])
-    root = manager.new_sequence()
-    runner.prefill([PrefillRow(root, embeds, embeds.shape[0])], logits=False)
-    seqs = [manager.fork(root) for _ in range(batch)]
+    roots = []
+    for obs in _observations(robot, 1 if shared_prefix else batch, 99, "describe the scene"):
+        features = runner.encode(list(obs.images.values()))
+        ids = processor.prompt_ids(ACTION_PROMPT, obs.instruction, obs.state)
+        embeds = torch.cat([features.reshape(-1, features.shape[-1]), runner.embed_prompt(ids)])
+        root = manager.new_sequence()
+        runner.prefill([PrefillRow(root, embeds, embeds.shape[0])], logits=False)
+        roots.append(root)
+    seqs = [manager.fork(roots[i % len(roots)]) for i in range(batch)]
     for i, seq in enumerate(seqs):
         for _ in range(i % 30):
             runner.decode_step([seq], [5])
@@ -132,8 +149,8 @@ def batch_scaling(model, processor, robot, budget: int, batch: int, repeats: int
             runner.decode_step(seqs[:size], [5] * size)
             samples.append(time.perf_counter() - t)
         times[size] = float(np.median(samples))
-    return {"batch": batch, "step_1_s": times[1], f"step_{batch}_s": times[batch],
-            "ratio": times[batch] / times[1]}
+    return {"batch": batch, "shared_prefix": shared_prefix, "step_1_s": times[1],
+            f"step_{batch}_s": times[batch], "ratio": times[batch] / times[1]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,25 +187,23 @@ def main(argv: list[str] | None = None) -> int:
 
     # Component costs P, V, D (action-only isolated run) and d (isolated decode steps, batch 1).
     action_only = bench.run(bench.config("isolated", []))
-    phases = action_only["phase_mean_s"]
+    phases = action_only["phase_p50_s"]
     p_cost = phases["encode_s"] + phases["prefill_s"]
     v_cost = phases["encode_s"]
     d_cost_denoise = phases["denoise_s"]
     decode_samples = []
 
     rows = results["rows"]
-    isolated_latency = {}
     for n in args.n:
         iso = bench.run(bench.config("isolated", [speech(n)]))
-        decode_samples.append(iso["phase_mean_s"]["decode_s"] / max(1, iso["mean_decode_steps_per_frame"]))
-        isolated_latency[n] = iso["frame_latency_s"]["mean"]
-        rows.append(_row("isolated", n, None, iso, iso))
+        decode_samples.append(iso["phase_p50_s"]["decode_s"] / max(1, iso["mean_decode_steps_per_frame"]))
+        rows.append(_row("isolated", n, None, iso, iso, horizon))
         shared = bench.run(bench.config("shared_prefix", [speech(n)]))
-        rows.append(_row("shared_prefix", n, None, shared, iso))
+        rows.append(_row("shared_prefix", n, None, shared, iso, horizon))
         for k in args.k:
             uni = bench.run(bench.config("unified", [speech(n)], k=k),
                             warmup=args.warmup + math.ceil(n / k))
-            rows.append(_row("unified", n, k, uni, iso))
+            rows.append(_row("unified", n, k, uni, iso, horizon))
     d_cost = float(np.median(decode_samples))
     for row in rows:
         if row["setting"] == "unified":
@@ -203,30 +218,38 @@ def main(argv: list[str] | None = None) -> int:
     iso2 = bench.run(bench.config("isolated", [speech(n2), memory(n2)]))
     uni2 = bench.run(bench.config("unified", [speech(n2), memory(n2)], k=k2),
                      warmup=args.warmup + math.ceil(n2 / k2))
-    two = _row("unified two-task", n2, k2, uni2, iso2)
+    two = _row("unified two-task", n2, k2, uni2, iso2, horizon)
     two["bound"] = (3 * p_cost + d_cost_denoise + 2 * n2 * d_cost) / \
         (p_cost + (p_cost - v_cost) + d_cost_denoise + k2 * d_cost)
     two["pct_of_bound"] = 100.0 * two["speedup"] / two["bound"]
-    rows.append(_row("isolated two-task", n2, None, iso2, iso2))
+    rows.append(_row("isolated two-task", n2, None, iso2, iso2, horizon))
     rows.append(two)
 
     # Deadline mode: a control period that isolated at the largest N misses on most cycles.
     n_max = max(args.n)
-    period = 1.3 * (p_cost + d_cost_denoise) + 3 * d_cost
+    period = 0.5 * ((p_cost + d_cost_denoise + d_cost) + (2 * p_cost + d_cost_denoise + n_max * d_cost))
     deadline_frames = Bench(model, processor, robot, args.deadline_frames, args.warmup, bench.budget)
     dl = deadline_frames.run(bench.config("unified", [speech(n_max)], scheduling="deadline",
                                           period=period), warmup=args.warmup + n_max)
     iso_dl = deadline_frames.run(bench.config("isolated", [speech(n_max)], period=period))
-    k1 = next((r for r in rows if r["setting"] == "unified" and r["N"] == n_max and r["k"] == 1), None)
+    k1 = deadline_frames.run(bench.config("unified", [speech(n_max)], k=1, period=period),
+                             warmup=args.warmup + n_max)
     results["deadline"] = {"control_period_s": period, "N": n_max, "frames": args.deadline_frames,
                            "unified_misses": dl["deadline_misses"],
                            "isolated_misses": iso_dl["deadline_misses"],
                            "unified_tokens_per_s": dl["tokens_per_s"],
-                           "k1_tokens_per_s": None if k1 is None else k1["tokens_per_s"],
+                           "unified_tokens_per_s_at_period": dl["tokens_per_s_at_period"],
+                           "k1_tokens_per_s": k1["tokens_per_s"],
+                           "k1_tokens_per_s_at_period": k1["tokens_per_s_at_period"],
+                           "k1_misses": k1["deadline_misses"],
+                           "unified_completion_p50_s": dl["completion_s"]["p50"],
+                           "k1_completion_p50_s": k1["completion_s"]["p50"],
                            "unified_mean_decode_steps": dl["mean_decode_steps_per_frame"],
                            "summary": dl}
 
     results["batch_scaling"] = batch_scaling(model, processor, robot, bench.budget, 30, repeats=15)
+    results["batch_scaling_cross_frame"] = batch_scaling(model, processor, robot, bench.budget, 30,
+                                                         repeats=15, shared_prefix=False)
     results["costs_s"] = {"P": p_cost, "V": v_cost, "D": d_cost_denoise, "d": d_cost}
     results["paper"] = {"best": PAPER_BEST, "k5": PAPER_K5, "gpu": "RTX 4090"}
 
@@ -238,11 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _row(setting: str, n: int, k: int | None, summary: dict, isolated: dict) -> dict:
-    latency = summary["frame_latency_s"]["mean"]
+def _row(setting: str, n: int, k: int | None, summary: dict, isolated: dict, horizon: int) -> dict:
+    """One table row; latency, action rate (H / latency) and speedup from per-frame medians."""
+    latency = summary["frame_latency_s"]["p50"]
     return {"setting": setting, "N": n, "k": k, "frame_latency_s": latency,
-            "action_rate_hz": summary["action_rate_hz"], "tokens_per_s": summary["tokens_per_s"],
-            "speedup": isolated["frame_latency_s"]["mean"] / latency,
+            "frame_latency_mean_s": summary["frame_latency_s"]["mean"],
+            "action_rate_hz": horizon / latency,
+            "tokens_per_s": summary["tokens_per_s"],
+            "speedup": isolated["frame_latency_s"]["p50"] / latency,
             "bound": None, "pct_of_bound": None, "paper": None,
             "mean_batch": summary["mean_batch_size"], "ttft_p50_s": summary["ttft_s"]["p50"],
             "vision_calls_per_frame": summary["vision_calls_per_frame"],
@@ -262,6 +288,7 @@ def _print(results: dict) -> None:
           f"{results['machine']['threads']} threads on {results['machine']['device']}")
     print(f"P = {1e3 * c['P']:.1f} ms (vision {1e3 * c['V']:.1f}), D = {1e3 * c['D']:.1f} ms, "
           f"d = {1e3 * c['d']:.2f} ms")
+    print("frame ms / act Hz / speedup: per-frame medians (means in the JSON)")
     header = (f"{'setting':<18}{'N':>4}{'k':>4}{'frame ms':>10}{'act Hz':>9}{'tok/s':>9}"
               f"{'speedup':>9}{'bound':>8}{'%bound':>8}{'paper':>7}{'batch':>7}{'vis/fr':>7}"
               f"{'pref tok':>9}{'pool MiB':>9}")
@@ -277,14 +304,20 @@ def _print(results: dict) -> None:
               f"{r['peak_pool_mib']:>9.2f}")
     d = results["deadline"]
     print(f"\ndeadline mode: period {1e3 * d['control_period_s']:.1f} ms, N={d['N']}, "
-          f"{d['frames']} frames: unified misses {d['unified_misses']}, isolated misses "
-          f"{d['isolated_misses']}; tokens/s unified {_fmt(d['unified_tokens_per_s'], '.0f')} vs "
-          f"k=1 {_fmt(d['k1_tokens_per_s'], '.0f')}; decode steps/frame "
+          f"{d['frames']} frames: misses unified {d['unified_misses']}, isolated "
+          f"{d['isolated_misses']}, unified k=1 {d['k1_misses']}; decode steps/frame "
           f"{_fmt(d['unified_mean_decode_steps'], '.1f')}")
-    b = results["batch_scaling"]
-    step_b = b["step_{}_s".format(b["batch"])]
-    print(f"batch scaling: decode step x1 {1e3 * b['step_1_s']:.2f} ms, x{b['batch']} "
-          f"{1e3 * step_b:.2f} ms, ratio {b['ratio']:.2f} (target <= 2)")
+    print(f"  tokens/s at the control period: deadline {_fmt(d['unified_tokens_per_s_at_period'], '.0f')}"
+          f" vs k=1 {_fmt(d['k1_tokens_per_s_at_period'], '.0f')} (per busy second: "
+          f"{_fmt(d['unified_tokens_per_s'], '.0f')} vs {_fmt(d['k1_tokens_per_s'], '.0f')}); "
+          f"completion p50 {_fmt(d['unified_completion_p50_s'], '.3f')} s vs "
+          f"{_fmt(d['k1_completion_p50_s'], '.3f')} s")
+    for key, label in (("batch_scaling", "one shared prefix"),
+                       ("batch_scaling_cross_frame", "a prefix per request")):
+        b = results[key]
+        step_b = b["step_{}_s".format(b["batch"])]
+        print(f"batch scaling ({label}): decode step x1 {1e3 * b['step_1_s']:.2f} ms, "
+              f"x{b['batch']} {1e3 * step_b:.2f} ms, ratio {b['ratio']:.2f} (target <= 2)")
     print(f"paper (RTX 4090): best {PAPER_BEST}x; k=5: " +
           ", ".join(f"N={n}: {s}x" for n, s in PAPER_K5.items()))
 

@@ -141,8 +141,8 @@ class EngineMetrics:
         ``max_batch_size``, ``mean_decode_steps_per_frame``, ``phase_mean_s`` (per-phase mean s),
         ``vision_calls_per_frame``, ``prefilled_tokens_per_frame``, ``requests_by_status``,
         ``peak_pool_bytes``, ``pool_capacity_bytes``. Over the window (``window`` says how many
-        records): p50/p95/p99 of frame and action latency, ``ttft_s`` and ``completion_s`` (requests
-        that reached them).
+        records): p50/p95/p99 of frame and action latency, ``phase_p50_s`` (per-phase median s),
+        ``ttft_s`` and ``completion_s`` (requests that reached them).
         """
         frames = self._frames
 
@@ -165,6 +165,8 @@ class EngineMetrics:
             "max_batch_size": self._max_batch,
             "mean_decode_steps_per_frame": per_frame(self._steps),
             "phase_mean_s": {k: per_frame(v) for k, v in self._phase_s.items()},
+            "phase_p50_s": {k: percentiles([getattr(c, k) for c in self.cycles])["p50"]
+                            for k in self._PHASES},
             "vision_calls_per_frame": per_frame(self._vision_calls),
             "prefilled_tokens_per_frame": per_frame(self._prefilled_tokens),
             "ttft_s": percentiles([r.ttft_s for r in self.requests if r.ttft_s is not None]),
