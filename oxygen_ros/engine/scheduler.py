@@ -22,14 +22,22 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable
-
-import numpy as np
+from typing import Callable, Iterable
 
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.kv_cache_manager import KVCacheManager
 from oxygen_ros.engine.request import Request
 from oxygen_ros.engine.types import RequestStatus
+
+
+def _quantile(samples: Iterable[float], q: float) -> float:
+    """The ``q`` quantile of ``samples`` with linear interpolation (numpy's default method),
+    in plain Python: a step-cost window is a few dozen numbers, observed once per step."""
+    ordered = sorted(samples)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (position - low) * (ordered[high] - ordered[low])
 
 
 class StepCostEstimator:
@@ -58,13 +66,13 @@ class StepCostEstimator:
     def observe_decode(self, batch: int, seconds: float) -> None:
         samples = self._decode_samples.setdefault(batch, deque(maxlen=self._window))
         samples.append(seconds)
-        self._decode[batch] = float(np.quantile(samples, self._quantile))
+        self._decode[batch] = _quantile(samples, self._quantile)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens <= 0:
             return
         self._prefill_samples.append(seconds / tokens)
-        self._prefill_per_token = float(np.quantile(self._prefill_samples, self._quantile))
+        self._prefill_per_token = _quantile(self._prefill_samples, self._quantile)
 
     def estimate_decode(self, batch: int) -> float | None:
         if batch in self._decode:
