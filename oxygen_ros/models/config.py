@@ -130,7 +130,7 @@ def _tiny(name: str, variant: str) -> VLAConfig:
                      vlm_width=256, vlm_mlp_dim=1024, vlm_num_layers=4,
                      num_heads=4, num_kv_heads=1, head_dim=64,
                      expert_width=128, expert_mlp_dim=512,
-                     vocab_size=1024, action_horizon=10, max_token_len=64, tokenizer="tiny")
+                     vocab_size=1024, action_horizon=10, max_token_len=200, tokenizer="tiny")
 
 
 PRESETS: dict[str, VLAConfig] = {
