@@ -14,11 +14,12 @@ test: setup
 demo: setup
 	@$(WITH_ENV) python -m oxygen_ros.node.demo $(DEMO_ARGS)
 
+# The same programs as the console scripts `oxygen-bench-model` / `oxygen-bench-engine` of `pip install .`.
 bench-model: setup
-	@$(WITH_ENV) oxygen-bench-model $(BENCH_ARGS)
+	@$(WITH_ENV) python -m oxygen_ros.bench.model_bench $(BENCH_ARGS)
 
 bench-engine: setup
-	@$(WITH_ENV) oxygen-bench-engine $(BENCH_ARGS)
+	@$(WITH_ENV) python -m oxygen_ros.bench.engine_bench $(BENCH_ARGS)
 
 clean:
 	rm -rf build install log

@@ -47,7 +47,10 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$req_hash"
     if [ "$MODE" = wheels ]; then "$PYTHON" -m venv "$VENV"; else "$PYTHON" -m venv --system-site-packages "$VENV"; fi
   fi
   quiet_pip --upgrade pip
-  quiet_pip -r "$ROOT/requirements/torch.txt"
+  if ! quiet_pip -r "$ROOT/requirements/torch.txt"; then
+    log "the CPU build of torch is not on pip's configured indexes: trying PyTorch's CPU index"
+    quiet_pip --index-url https://download.pytorch.org/whl/cpu -r "$ROOT/requirements/torch.txt"
+  fi
   quiet_pip -r "$ROOT/requirements/python.txt"
   if [ "$MODE" = wheels ]; then
     quiet_pip -r "$ROOT/requirements/ros-kilted.txt"

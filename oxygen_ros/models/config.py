@@ -1,7 +1,7 @@
 """Model presets, robot configurations and normalisation statistics, as data.
 
 Sizes of the full presets are those of π0 / π0.5 (PaliGemma 3B = SigLIP So400m/14 + Gemma 2B, and a
-Gemma 300M action expert), see ``shared/design/pi05-facts.md`` and the openpi / transformers configs.
+Gemma 300M action expert), as in the π0 / π0.5 papers and the openpi / LeRobot / transformers configs.
 The tiny presets keep π0.5's proportions (patch 14 → 256 tokens per 224 px camera, expert half the VLM
 width, same depth, one KV head) at a size that runs a control cycle on two CPU cores.
 """
