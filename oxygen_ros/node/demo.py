@@ -38,6 +38,7 @@ from pathlib import Path
 
 import rclpy
 import yaml
+from rclpy.context import Context
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.node import Node
 from rclpy.parameter import Parameter
@@ -217,18 +218,20 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    rclpy.init(args=[], signal_handler_options=SignalHandlerOptions.NO)
+    context = Context()
+    rclpy.init(args=[], context=context, signal_handler_options=SignalHandlerOptions.NO)
     robot = _start_robot(args, run_dir / "sim_robot.log")
-    executor = MultiThreadedExecutor(num_threads=4)
+    executor = MultiThreadedExecutor(num_threads=4, context=context)
     nodes: list[Node] = []
-    recorder = follower = None
+    recorder = follower = oxygen = None
     status = 1
     try:
-        recorder = BagRecorder(run_dir / "bag")
+        recorder = BagRecorder(run_dir / "bag", context=context)
         nodes.append(recorder)
-        oxygen = OxygenNode(NODE_NAME, parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+        oxygen = OxygenNode(NODE_NAME, context=context,
+                            parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
         nodes.append(oxygen)
-        follower = DemoFollower(args.instruction, oxygen)
+        follower = DemoFollower(args.instruction, oxygen, context=context)
         nodes.append(follower)
         for node in nodes:
             executor.add_node(node)
@@ -257,10 +260,18 @@ def main(argv: list[str] | None = None) -> int:
         follower.collect_cycles()
     finally:
         _stop_robot(robot)
-        executor.shutdown()
+        # Order matters: no thread may still be inside native code (torch, rclpy) when the interpreter
+        # tears down, or the process aborts with "terminate called without an active exception". The
+        # control-cycle thread (a daemon) was found still inside a torch op at teardown in the aborted
+        # runs, so it must be joined: the executor's worker threads first (no callback in flight), then
+        # the cycle thread (release), the nodes, the context (shut down and destroyed).
+        executor.shutdown(timeout_sec=5.0)
+        if oxygen is not None:
+            oxygen.release()
         for node in reversed(nodes):
             node.destroy_node()
-        rclpy.try_shutdown()
+        context.try_shutdown()
+        context.destroy()    # the DDS participant and its threads go now, not in static destructors
 
     if follower is not None:
         (run_dir / "engine_cycles.json").write_text(
@@ -270,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         print(report.format_summary(result))
     print(f"robot process {robot.pid} ended (exit status {robot.returncode})")
     print(f"demo wall time {time.monotonic() - wall_start:.1f} s; run directory {run_dir}")
+    leftover = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    if leftover:    # would run on into interpreter teardown (and may abort the process there)
+        print(f"warning: threads still running at exit: {leftover}", file=sys.stderr)
     return status
 
 

@@ -215,6 +215,13 @@ class OxygenNode(LifecycleNode):
         when the context may already be shut down). Idempotent."""
         self._release()
 
+    def destroy_node(self) -> None:
+        """Stop the control-cycle thread and free the engine first: a cycle thread left running would
+        still be inside torch when the interpreter tears down (``terminate called without an active
+        exception``)."""
+        self._release()
+        super().destroy_node()
+
     def _release(self) -> None:
         self._stop_cycles()
         for timer in self._owned_timers:
