@@ -55,6 +55,7 @@ def ros_context():
         yield context
     finally:
         context.try_shutdown()
+        context.destroy()    # the DDS participant goes now, not at garbage collection
 
 
 def spin_until(executor, condition: Callable[[], bool], timeout: float = 10.0) -> bool:

@@ -103,6 +103,32 @@ def test_shutdown_from_every_state(from_state):
         harness.close()
 
 
+def test_harnesses_do_not_answer_each_others_lifecycle_services():
+    """Two harnesses at once (as with a module-scoped fixture alive): each change_state reaches its own
+    node only, and a closed harness leaves nothing behind that a later one could reach."""
+    first = Harness(tiny_parameters(autostart=False))
+    second = Harness(tiny_parameters(autostart=False))
+    try:
+        assert first.namespace != second.namespace
+        assert first.change_state("shutdown")
+        assert first.node.lifecycle_state == "finalized"
+        assert second.node.lifecycle_state == "unconfigured"
+        assert second.change_state("configure")     # not "no transition ... for current state finalized"
+        assert second.node.lifecycle_state == "inactive"
+        first.close()
+        third = Harness(tiny_parameters(autostart=False))
+        try:
+            assert third.change_state("configure") and third.node.lifecycle_state == "inactive"
+            assert second.node.lifecycle_state == "inactive"
+            assert third.change_state("cleanup")
+        finally:
+            third.close()
+        assert second.change_state("cleanup")
+    finally:
+        first.close()
+        second.close()
+
+
 def test_configure_failure_is_reported_and_nothing_is_loaded():
     harness = Harness(tiny_parameters(autostart=False, preset="no_such_preset"))
     try:

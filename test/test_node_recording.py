@@ -11,11 +11,12 @@ from test_node_support import Harness, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 
-TOPICS = {"/oxygen_node/action_chunk": ("chunk", lambda m: m.observation_seq),
-          "/oxygen_node/joint_trajectory": ("trajectory", lambda m: tuple(p.positions[0] for p in m.points[:2])),
-          "/oxygen_node/speech": ("speech", lambda m: (m.utterance_id, m.sequence)),
-          "/oxygen_node/memory": ("memory", lambda m: m.entry_id),
-          "/oxygen_node/status": ("status", lambda m: (m.header.stamp.sec, m.header.stamp.nanosec))}
+# relative to the harness's namespace
+OUTPUTS = {"oxygen_node/action_chunk": ("chunk", lambda m: m.observation_seq),
+           "oxygen_node/joint_trajectory": ("trajectory", lambda m: tuple(p.positions[0] for p in m.points[:2])),
+           "oxygen_node/speech": ("speech", lambda m: (m.utterance_id, m.sequence)),
+           "oxygen_node/memory": ("memory", lambda m: m.entry_id),
+           "oxygen_node/status": ("status", lambda m: (m.header.stamp.sec, m.header.stamp.nanosec))}
 
 
 def _assert_same(live, recorded, path: str) -> None:
@@ -40,6 +41,7 @@ def test_outputs_recorded_to_mcap_read_back_field_for_field(tmp_path):
     from oxygen_ros.node.bag_recorder import BagRecorder, project_typestore
 
     harness = Harness(tiny_parameters(**{"control_rate_hz": 4.0, "memory.trigger_every_s": 1.0}))
+    TOPICS = {harness.topic(relative): value for relative, value in OUTPUTS.items()}
     bag = tmp_path / "bag"
     recorder = BagRecorder(bag, topics=list(TOPICS), context=harness.context, discovery_period_s=0.2)
     try:

@@ -7,6 +7,8 @@ stream switchable) and records everything the node publishes.
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 JOINTS = ["joint_1", "joint_2", "joint_3", "joint_4", "joint_5", "joint_6", "gripper"]
+_HARNESS_IDS = itertools.count(1)
 
 
 def tiny_parameters(**changes) -> list:
@@ -75,6 +78,11 @@ def jpeg_image(height=24, width=32, stamp=None):
 class Harness:
     """OxygenNode + robot side in one context; :meth:`close` shuts everything down.
 
+    Each harness lives in a namespace of its own (``/harness_<pid>_<n>``: the node is
+    ``/harness_<pid>_<n>/oxygen_node``, its topics and lifecycle services are under it), so a harness
+    never talks to another one's node — one still alive (a module-scoped fixture) or one whose DDS
+    entities are not yet unmatched. :attr:`namespace` and :meth:`topic` give the names.
+
     Args:
         parameter_overrides: the node's parameters (see :func:`tiny_parameters`).
         publish_hz: rate of the robot side's camera / joint-state streams [Hz].
@@ -96,10 +104,12 @@ class Harness:
 
         from oxygen_ros.node.oxygen_node import OxygenNode
 
+        self.namespace = f"/harness_{os.getpid()}_{next(_HARNESS_IDS)}"
         self.context = Context()
         rclpy.init(context=self.context)
-        self.node = OxygenNode(context=self.context, parameter_overrides=parameter_overrides)
-        self.robot = Node("robot_side", context=self.context)
+        self.node = OxygenNode(context=self.context, namespace=self.namespace,
+                               parameter_overrides=parameter_overrides)
+        self.robot = Node("robot_side", context=self.context, namespace=self.namespace)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.cam0 = self.robot.create_publisher(Image, "camera/image_raw", qos_profile_sensor_data)
         self.cam1 = self.robot.create_publisher(CompressedImage, "wrist_camera/image_raw/compressed",
@@ -136,6 +146,12 @@ class Harness:
         self.executor.add_node(self.robot)
         self._thread = threading.Thread(target=self._spin, daemon=True)
         self._thread.start()
+        self._closed = False
+
+    def topic(self, relative: str) -> str:
+        """The absolute name of ``relative`` in this harness's namespace (``oxygen_node/action_chunk`` ->
+        ``/harness_<pid>_<n>/oxygen_node/action_chunk``)."""
+        return f"{self.namespace}/{relative}"
 
     def _spin(self) -> None:
         from rclpy.executors import ExternalShutdownException
@@ -146,6 +162,8 @@ class Harness:
             pass
 
     def _record(self, name: str, msg) -> None:
+        if name == "diagnostics" and not any(s.name.startswith(self.namespace + "/") for s in msg.status):
+            return    # /diagnostics is global: keep only this harness's node
         self.received[name].append(msg)
         self.received_times[name].append(time.monotonic())
 
@@ -191,10 +209,17 @@ class Harness:
         return wait_for(lambda: self.count("chunk") >= start + n, timeout)
 
     def close(self) -> None:
-        self.executor.shutdown(timeout_sec=1.0)
-        if self.node.lifecycle_state != "finalized":
-            self.node.release()
+        """Shut everything down, in order: the executor (its spin thread ends, no callback in flight), the
+        node's control-cycle thread and engine, both nodes, then the context — shut down *and* destroyed,
+        so the DDS participant goes away with its services now rather than at garbage collection.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.executor.shutdown(timeout_sec=5.0)
+        self._thread.join(timeout=5.0)
+        self.node.release()
         self.node.destroy_node()
         self.robot.destroy_node()
         self.context.try_shutdown()
-        self._thread.join(timeout=5.0)
+        self.context.destroy()
