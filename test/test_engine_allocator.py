@@ -175,4 +175,4 @@ def test_decode_rows_hold_exactly_each_sequences_tokens(steps):
         view.commit()
         for i, seq in enumerate(batch):
             assert _read(manager, seq)[-1] == new[order.index(i), 0, 0, 0].item()
-    assert manager.decode_rows <= 5
+    assert manager.decode_rows < 2 * max(len(members) for members, _ in steps)

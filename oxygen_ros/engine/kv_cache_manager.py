@@ -15,8 +15,8 @@ their pages with one ``index_copy_`` per layer, then gathers every row's tokens 
 step would copy the full batch's KV per step; instead the manager keeps the running batch's rows
 gathered in a dense decode workspace between steps (``decode rows``): a row is gathered once when
 its sequence joins the batch, and each step writes only the new token into its page and its row.
-The workspace is a copy of pool content, bounded by the largest batch times the longest sequence
-seen (at most ``max_batch_size`` rows), and holds nothing the pool does not.
+The workspace is a copy of pool content, bounded by twice the largest batch times the longest
+sequence seen (the batch is at most ``max_batch_size``), and holds nothing the pool does not.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class KVCacheManager:
 
     @property
     def decode_rows(self) -> int:
-        """Rows of the decode workspace: the largest decode batch so far."""
+        """Rows of the decode workspace: below twice the largest decode batch so far."""
         return self._decode_k[0].shape[0] if self._decode_k else 0
 
     def decode_view(self, seqs: list[KVSequence]) -> tuple["DecodeKVCacheView", list[int]]:
@@ -178,11 +178,16 @@ class KVCacheManager:
         return DecodeKVCacheView(self, [seqs[i] for i in order]), order
 
     def _ensure_decode_rows(self, rows: int, length: int) -> None:
-        """Grow the decode workspace to at least ``rows`` x ``length`` tokens, keeping content."""
+        """Grow the decode workspace to at least ``rows`` x ``length`` tokens, keeping content.
+
+        Rows grow geometrically (at least doubling), so a batch that grows one request per cycle
+        reallocates O(log) times, not every cycle; the workspace stays below twice the largest
+        batch's rows.
+        """
         have_rows, have_len = (self._decode_k[0].shape[:2] if self._decode_k else (0, 0))
         if rows <= have_rows and length <= have_len:
             return
-        new_rows = max(rows, have_rows)
+        new_rows = have_rows if rows <= have_rows else max(rows, 2 * have_rows)
         # Round lengths up to 4 pages so that sequences growing by one token rarely reallocate.
         quantum = 4 * self.block_size
         new_len = max(have_len, -(-length // quantum) * quantum)
