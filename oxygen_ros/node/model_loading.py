@@ -45,7 +45,7 @@ def engine_config(settings: NodeSettings, variant: str) -> EngineConfig:
         "mode": settings.engine_mode, "scheduling": settings.engine_scheduling,
         "decode_steps_per_cycle": settings.decode_steps_per_cycle, "kv_budget_bytes": settings.kv_budget_bytes,
         "block_size": settings.block_size, "max_batch_size": settings.max_batch_size,
-        "camera_slots": [camera.slot for camera in settings.cameras],
+        "camera_slots": list(settings.model_camera_slots),
         "action": {"prompt_template": action_prompt(variant), "control_period_s": settings.control_period_s,
                    "num_denoise_steps": settings.num_denoise_steps},
         "language_tasks": tasks})
@@ -61,7 +61,7 @@ def build_engine(settings: NodeSettings) -> Engine:
     model = load_model(settings.preset, settings.checkpoint or None, dtype=settings.dtype,
                        device=settings.device, seed=settings.seed)
     robot = RobotConfig(name=settings.preset, state_dim=len(settings.joint_names), action_dim=settings.action_dim,
-                        camera_slots=tuple(camera.slot for camera in settings.cameras),
+                        camera_slots=settings.model_camera_slots,
                         norm_mode=settings.norm_mode)
     tokenizer = load_tokenizer(model.config, settings.tokenizer_path or None)
     norm_stats = load_norm_stats(settings.norm_stats_path) if settings.norm_stats_path else None

@@ -21,6 +21,10 @@ from rclpy.parameter import Parameter
 TRANSPORTS = ("raw", "compressed")
 RELIABILITIES = ("best_effort", "reliable")
 TRAJECTORY_STAMP_POLICIES = ("now", "observation")
+# Full-size presets: random weights are meaningless there (and a robot must never run them unnoticed).
+FULL_PRESETS = ("pi05", "pi0")
+# The model's camera slots (openpi image keys), in the order the model sees them; camera_slots name a subset.
+MODEL_CAMERA_SLOTS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 
 
 def _float_range(low: float, high: float) -> list[FloatingPointRange]:
@@ -37,7 +41,10 @@ _DECLARATIONS: dict[str, tuple] = {
     "autostart": (True, "configure and activate on start-up, without a lifecycle manager", {}, True),
     # ---- model
     "preset": ("pi05_tiny", "model preset: pi05, pi0, pi05_tiny or pi0_tiny", {}, True),
-    "checkpoint": ("", "local checkpoint directory; empty = the preset's seeded random weights", {}, True),
+    "checkpoint": ("", "local checkpoint directory; empty = seeded random weights (tiny presets; a full "
+                   "preset needs allow_random_weights)", {}, True),
+    "allow_random_weights": (False, "let a full-size preset (pi05, pi0) run with seeded random weights when "
+                             "checkpoint is empty (meaningless actions: for tests only)", {}, True),
     "tokenizer_path": ("", "local PaliGemma SentencePiece model (full presets); empty for tiny presets", {},
                        True),
     "norm_stats_path": ("", "openpi norm_stats.json of the robot; empty = data already normalised", {}, True),
@@ -60,7 +67,8 @@ _DECLARATIONS: dict[str, tuple] = {
     # ---- inputs
     "camera_topics": (["camera/image_raw"], "camera topics (relative names resolve in the node's namespace)",
                       {}, True),
-    "camera_slots": (["base_0_rgb"], "model camera slot of each camera topic (openpi image keys)", {}, True),
+    "camera_slots": (["base_0_rgb"], "model camera slot of each camera topic: base_0_rgb, left_wrist_0_rgb or "
+                     "right_wrist_0_rgb (openpi image keys); the model sees them in that order", {}, True),
     "camera_transports": (["raw"], "per camera: raw (sensor_msgs/Image) or compressed "
                           "(sensor_msgs/CompressedImage, JPEG or PNG)", {}, True),
     "camera_reliability": (["best_effort"], "per camera subscription reliability: best_effort (sensor-data "
@@ -141,6 +149,7 @@ class NodeSettings:
 
     preset: str
     checkpoint: str
+    allow_random_weights: bool
     tokenizer_path: str
     norm_stats_path: str
     norm_mode: str
@@ -179,6 +188,12 @@ class NodeSettings:
     publish_trajectory: bool
     trajectory_joint_names: tuple[str, ...]
     trajectory_stamp_policy: str
+
+    @property
+    def model_camera_slots(self) -> tuple[str, ...]:
+        """The configured slots in the model's order (:data:`MODEL_CAMERA_SLOTS`), whatever the order of
+        ``camera_topics``: images reach the model by slot name."""
+        return tuple(sorted((c.slot for c in self.cameras), key=MODEL_CAMERA_SLOTS.index))
 
     @property
     def control_period_s(self) -> float:
@@ -227,6 +242,14 @@ def read_settings(node: Node) -> NodeSettings:
             raise ValueError(f"parameter {name}: {len(v[name])} entries, camera_topics has {len(topics)}")
     if len(set(v["camera_slots"])) != len(topics):
         raise ValueError(f"parameter camera_slots: slots must be unique, got {list(v['camera_slots'])}")
+    unknown_slots = [slot for slot in v["camera_slots"] if slot not in MODEL_CAMERA_SLOTS]
+    if unknown_slots:
+        raise ValueError(f"parameter camera_slots: {unknown_slots} are not camera slots of the model; "
+                         f"valid slots: {list(MODEL_CAMERA_SLOTS)}")
+    if v["preset"] in FULL_PRESETS and not v["checkpoint"] and not v["allow_random_weights"]:
+        raise ValueError(f"parameter checkpoint: preset {v['preset']} is a full-size model and no checkpoint is "
+                         "given; set checkpoint to a local checkpoint directory (random weights are only for "
+                         "the tiny presets; allow_random_weights: true forces them, with meaningless actions)")
     cameras = tuple(CameraSettings(topic, slot, _choice("camera_transports", transport, TRANSPORTS),
                                    _choice("camera_reliability", reliability, RELIABILITIES), bool(required))
                     for topic, slot, transport, reliability, required in
@@ -253,7 +276,8 @@ def read_settings(node: Node) -> NodeSettings:
         raise ValueError("speech is enabled but has no trigger: set speech.trigger_every_n_frames, "
                          "speech.trigger_every_s or speech.trigger_on_new_instruction")
     return NodeSettings(
-        preset=v["preset"], checkpoint=v["checkpoint"], tokenizer_path=v["tokenizer_path"],
+        preset=v["preset"], checkpoint=v["checkpoint"], allow_random_weights=bool(v["allow_random_weights"]),
+        tokenizer_path=v["tokenizer_path"],
         norm_stats_path=v["norm_stats_path"],
         norm_mode=_choice("norm_mode", v["norm_mode"], ("quantile", "mean_std")),
         device=v["device"], dtype=_choice("dtype", v["dtype"], ("float32", "bfloat16")), seed=int(v["seed"]),
