@@ -33,6 +33,7 @@ Topics (relative names resolve in the node's namespace; ``~`` is the node's priv
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -44,6 +45,7 @@ from diagnostic_msgs.msg import DiagnosticArray
 from oxygen_ros.msg import ActionChunk as ActionChunkMsg
 from oxygen_ros.msg import EngineStatus, MemoryEntry, Speech
 from rclpy.event_handler import QoSRequestedIncompatibleQoSInfo, SubscriptionEventCallbacks
+from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy,
@@ -74,6 +76,16 @@ class _ObservationInfo:
     camera_slots: tuple[str, ...]
 
 
+def _node_terms(message: str) -> str:
+    """An engine / model error message in the node's terms: the engine's ``kv_budget_bytes`` is the node's
+    ``engine.kv_budget_mb`` parameter."""
+    if "kv_budget_bytes" in message:
+        return message.replace("kv_budget_bytes", "the parameter engine.kv_budget_mb")
+    if "KV budget" in message or "KV pool" in message:
+        return f"{message} (raise the parameter engine.kv_budget_mb)"
+    return message
+
+
 class OxygenNode(LifecycleNode):
     """The oxygen_ros lifecycle node (see the module docstring for lifecycle, threads and topics).
 
@@ -88,7 +100,6 @@ class OxygenNode(LifecycleNode):
 
     def __init__(self, node_name: str = "oxygen_node", **kwargs):
         super().__init__(node_name, **kwargs)
-        declare_parameters(self)
         self._lifecycle_state = "unconfigured"
         self._settings: NodeSettings | None = None
         self._engine: Engine | None = None
@@ -109,6 +120,11 @@ class OxygenNode(LifecycleNode):
         self._observations: OrderedDict[int, _ObservationInfo] = OrderedDict()
         self._utterance_sequence: dict[int, int] = {}
         self._cycle_error_warner = DropCounter(self.get_logger().error)
+        self._configure_error: str | None = None
+        self._autostart_failed: str | None = None
+        # Raises InvalidParameterTypeException / InvalidParameterValueException for a value of the wrong
+        # type or out of range (overrides, a params file): rclpy checks them at declaration.
+        declare_parameters(self)
         if self.get_parameter("autostart").value:
             self._autostart_timer = self.create_timer(0.0, self._autostart)
 
@@ -132,10 +148,25 @@ class OxygenNode(LifecycleNode):
         """Control cycles since activation that had no usable observation (no chunk published)."""
         return self._skips.total()
 
+    @property
+    def configure_error(self) -> str | None:
+        """Why the last configure failed (as logged), or None after a successful one."""
+        return self._configure_error
+
+    @property
+    def autostart_failed(self) -> str | None:
+        """``configure`` or ``activate`` when autostart's transition failed (the node stays usable, e.g. by
+        a lifecycle manager; the ``oxygen_node`` executable exits non-zero), else None."""
+        return self._autostart_failed
+
     def _autostart(self) -> None:
         self.destroy_timer(self._autostart_timer)
-        if self.trigger_configure() == TransitionCallbackReturn.SUCCESS:
-            self.trigger_activate()
+        for transition, trigger in (("configure", self.trigger_configure), ("activate", self.trigger_activate)):
+            if trigger() != TransitionCallbackReturn.SUCCESS:
+                self._autostart_failed = transition
+                self.get_logger().error(f"autostart: {transition} failed (reason above); the node stays "
+                                        f"{self._lifecycle_state}")
+                return
 
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         """Load the model and the engine, create the ROS entities; FAILURE (reason logged) on any error."""
@@ -144,8 +175,10 @@ class OxygenNode(LifecycleNode):
             settings = read_settings(self)
             engine = build_engine(settings)
         except Exception as error:  # any load failure: report it, keep nothing
-            self.get_logger().error(f"configure failed: {type(error).__name__}: {error}")
+            self._configure_error = _node_terms(f"{type(error).__name__}: {error}")
+            self.get_logger().error(f"configure failed: {self._configure_error}")
             return TransitionCallbackReturn.FAILURE
+        self._configure_error = None
         self._settings, self._engine = settings, engine
         self._inputs = InputStore(settings.cameras, settings.joint_names, settings.default_instruction)
         self._seq = 0
@@ -445,19 +478,48 @@ class OxygenNode(LifecycleNode):
             self._drops.counts(), inputs.frame_ages(now_s), settings.control_rate_hz))
 
 
+def _error_line(error: BaseException) -> str:
+    """One line of an rclpy / rcl error: without rcl's ``, at /path/file.c:123`` source locations."""
+    import re
+
+    text = " ".join(str(error).split())
+    return re.sub(r",? at \S+\.c(pp)?:\d+", "", text)
+
+
 def main(args=None) -> int:
-    """Run ``oxygen_node`` until SIGINT / SIGTERM or a lifecycle shutdown; returns the exit code."""
-    rclpy.init(args=args)
-    node = OxygenNode()
+    """Run ``oxygen_node`` until SIGINT / SIGTERM or a lifecycle shutdown; returns the exit code.
+
+    Exit codes: 0 after a signal or a lifecycle shutdown; 1 when autostart's configure or activate failed
+    (reason logged; without autostart a failed configure leaves the node waiting for a lifecycle manager);
+    2 when the command line, the params file or a parameter value is rejected before the node exists (a
+    missing or malformed params file, a wrong type, a value out of range): one line on stderr.
+    """
+    try:
+        rclpy.init(args=args)
+    except Exception as error:  # rcl's argument / params-file parsing
+        print(f"oxygen_node: {_error_line(error)}", file=sys.stderr)
+        return 2
+    try:
+        node = OxygenNode()
+    except (InvalidParameterTypeException, InvalidParameterValueException) as error:
+        print(f"oxygen_node: invalid parameter: {_error_line(error)}", file=sys.stderr)
+        rclpy.try_shutdown()
+        return 2
     executor = SingleThreadedExecutor()
     executor.add_node(node)
+    status = 0
     try:
         while rclpy.ok() and node.lifecycle_state != "finalized":
             executor.spin_once(timeout_sec=0.1)
+            if node.autostart_failed:
+                node.get_logger().fatal(f"autostart: {node.autostart_failed} failed; exiting (code 1)")
+                status = 1
+                break
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
+        executor.shutdown(timeout_sec=5.0)
         node.release()
         node.destroy_node()
         rclpy.try_shutdown()
-    return 0
+    return status
