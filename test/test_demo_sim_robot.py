@@ -59,3 +59,55 @@ def test_sim_robot_publishes_cameras_and_joints_and_executes_chunks(ros_context)
         executor.shutdown()
         robot.destroy_node()
         probe.destroy_node()
+
+
+def test_wild_actions_keep_the_physics_stable():
+    """Targets jumping between the control-range extremes every 20 ms (what random weights send) are
+    rate-limited: the state stays finite and the scene never needs a reset."""
+    pytest.importorskip("gym_aloha")
+    from oxygen_ros.node.sim_robot import AlohaScene
+
+    scene = AlohaScene(width=64, height=48)
+    try:
+        rng = np.random.default_rng(0)
+        for i in range(300):
+            scene.set_action(rng.choice([-10.0, 10.0], size=14))
+            assert scene.step(0.02)
+        position, velocity = scene.joint_state()
+        assert np.all(np.isfinite(position)) and np.all(np.isfinite(velocity))
+        assert scene.resets == 0
+    finally:
+        scene.close()
+
+
+def test_instability_resets_the_scene_and_shutdown_ends_the_threads_quietly(ros_context, tmp_path, monkeypatch):
+    """A blown-up state is reset (counted, warned in the ROS log, no MUJOCO_LOG.TXT in the working
+    directory); shutting the context down while the camera and physics threads run raises nothing."""
+    pytest.importorskip("gym_aloha")
+    import threading
+    import time
+
+    from oxygen_ros.node.sim_robot import SimRobot
+
+    monkeypatch.chdir(tmp_path)
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    robot = SimRobot(context=ros_context, parameter_overrides=[
+        __import__("rclpy.parameter", fromlist=["Parameter"]).Parameter("camera_rate_hz", value=20.0)])
+    try:
+        with robot.scene._lock:
+            robot.scene.data.qvel[:] = 1e20
+        deadline = time.monotonic() + 10.0
+        while robot.scene.resets == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert robot.scene.resets >= 1
+        position, _ = robot.scene.joint_state()
+        assert np.all(np.isfinite(position))
+        assert not (tmp_path / "MUJOCO_LOG.TXT").exists()
+        time.sleep(0.3)                     # cameras publishing at 20 Hz
+        ros_context.try_shutdown()          # as SIGINT / SIGTERM do, before destroy_node
+        time.sleep(0.3)
+    finally:
+        robot.destroy_node()
+    assert not errors, errors
+    assert all(not thread.is_alive() for thread in robot._threads)

@@ -155,7 +155,10 @@ def _start_robot(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
                "-p", f"action_chunk_topic:=/{NODE_NAME}/action_chunk", "-p", f"seed:={args.seed}"]
     log = open(log_path, "w")
     try:
+        # cwd: the run directory, so that nothing the robot writes (MuJoCo's MUJOCO_LOG.TXT, should a
+        # warning bypass the node's handler) lands in the user's working directory.
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=log_path.parent,
                                 start_new_session=True, preexec_fn=die_with_parent)
     finally:
         log.close()

@@ -15,7 +15,11 @@ arms, a red cube on the table). The node behaves like the real robot's drivers:
   is held after a chunk runs out), as absolute joint position targets for the scene's position
   actuators — 6 joints [rad] and the normalised gripper per arm, matched by ``action_names`` when they
   name gym-aloha's joints, else the first 14 dimensions in that order — clipped to the actuators'
-  control ranges. The physics runs in real time (2 ms MuJoCo steps, ``control_period_s`` per action).
+  control ranges, and rate-limited (each actuator's target moves at most its control range per
+  ``MIN_TRAVERSE_S``), so that jumps between chunks (random weights) cannot destabilise the physics. The
+  physics runs in real time (2 ms MuJoCo steps, ``control_period_s`` per action). Should it still go
+  unstable (NaN / Inf / huge accelerations), the scene is reset to the start pose and the reset counted
+  (``AlohaScene.resets``, logged); MuJoCo's warnings go to the ROS log, not to ``MUJOCO_LOG.TXT``.
 
 Rendering needs an OpenGL: ``MUJOCO_GL=osmesa`` (set here when unset; ``libosmesa6``, installed by
 ``scripts/setup_env.sh``). Command line: ``python -m oxygen_ros.node.sim_robot [--ros-args ...]``.
@@ -39,6 +43,7 @@ from gym_aloha.constants import (ASSETS_DIR, JOINTS, START_ARM_POSE,  # noqa: E4
                                  normalize_puppet_gripper_position, normalize_puppet_gripper_velocity,
                                  unnormalize_puppet_gripper_position)
 from gym_aloha.utils import sample_box_pose  # noqa: E402
+from rclpy._rclpy_pybind11 import RCLError  # noqa: E402
 from rclpy.executors import ExternalShutdownException  # noqa: E402
 from rclpy.node import Node  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
@@ -52,6 +57,7 @@ CAMERAS = ("top", "left_wrist", "right_wrist")
 _ARM_QPOS = (slice(0, 6), slice(8, 14))
 _FINGER_QPOS = (6, 14)
 _GRIPPER_INDEX = (6, 13)  # in the 14-vector of JOINTS
+MIN_TRAVERSE_S = 1.0      # an actuator's target crosses its whole control range in no less than this [s]
 
 
 class AlohaScene:
@@ -69,13 +75,21 @@ class AlohaScene:
     def __init__(self, width: int = 320, height: int = 240, seed: int = 0):
         self.model = mujoco.MjModel.from_xml_path(str(SCENE))
         self.data = mujoco.MjData(self.model)
-        self.data.qpos[:16] = START_ARM_POSE
-        self.data.qpos[-7:] = sample_box_pose(seed)
-        self.data.ctrl[:] = START_ARM_POSE
-        mujoco.mj_forward(self.model, self.data)
+        self._box_pose = sample_box_pose(seed)
         self._ctrl_low, self._ctrl_high = self.model.actuator_ctrlrange.T.copy()
+        self._target = np.asarray(START_ARM_POSE, dtype=np.float64).copy()
+        self.resets = 0     # resets after the physics went unstable
+        self._reset_pose()
         self._renderer = mujoco.Renderer(self.model, height, width)
         self._lock = threading.Lock()
+
+    def _reset_pose(self) -> None:
+        mujoco.mj_resetData(self.model, self.data)
+        self.data.qpos[:16] = START_ARM_POSE
+        self.data.qpos[-7:] = self._box_pose
+        self.data.ctrl[:] = START_ARM_POSE
+        self._target[:] = START_ARM_POSE
+        mujoco.mj_forward(self.model, self.data)
 
     @property
     def physics_dt(self) -> float:
@@ -101,13 +115,31 @@ class AlohaScene:
             ctrl[_FINGER_QPOS[arm] + 1] = -finger
         ctrl = np.clip(np.nan_to_num(ctrl), self._ctrl_low, self._ctrl_high)
         with self._lock:
-            self.data.ctrl[:] = ctrl
+            self._target[:] = ctrl
 
-    def step(self, duration_s: float) -> None:
-        """Advance the physics by ``duration_s`` [s] (rounded to whole MuJoCo steps)."""
+    def step(self, duration_s: float) -> bool:
+        """Advance the physics by ``duration_s`` [s] (rounded to whole MuJoCo steps), moving the actuators'
+        targets toward the action at most their range per ``MIN_TRAVERSE_S``. Returns False when the
+        physics went unstable (non-finite state or MuJoCo's bad qpos/qvel/qacc warnings): the scene was then
+        reset to the start pose and :attr:`resets` counts it."""
         n = max(1, round(duration_s / self.physics_dt))
+        max_delta = (self._ctrl_high - self._ctrl_low) * (n * self.physics_dt / MIN_TRAVERSE_S)
         with self._lock:
+            bad_before = self._bad_state_warnings()
+            ctrl = self.data.ctrl
+            ctrl[:] = ctrl + np.clip(self._target - ctrl, -max_delta, max_delta)
             mujoco.mj_step(self.model, self.data, nstep=n)
+            stable = (self._bad_state_warnings() == bad_before
+                      and np.all(np.isfinite(self.data.qpos)) and np.all(np.isfinite(self.data.qvel)))
+            if not stable:
+                self.resets += 1
+                self._reset_pose()
+        return stable
+
+    def _bad_state_warnings(self) -> int:
+        """MuJoCo's count of NaN / Inf / huge values in qpos, qvel or qacc (on each it resets the data)."""
+        return sum(int(self.data.warning[w].number) for w in
+                   (mujoco.mjtWarning.mjWARN_BADQPOS, mujoco.mjtWarning.mjWARN_BADQVEL, mujoco.mjtWarning.mjWARN_BADQACC))
 
     def joint_state(self) -> tuple[np.ndarray, np.ndarray]:
         """``(position, velocity)``, float64 ``[14]`` each, in gym-aloha's ``JOINTS`` order.
@@ -180,6 +212,10 @@ class SimRobot(Node):
         chunk_topic = self.declare_parameter("action_chunk_topic", "oxygen_node/action_chunk").value
         seed = self.declare_parameter("seed", 0).value
 
+        # MuJoCo's warnings (e.g. "Nan, Inf or huge value in QACC") into the ROS log: by default MuJoCo
+        # appends them to MUJOCO_LOG.TXT in the current directory.
+        logger = self.get_logger()
+        mujoco.set_mju_user_warning(lambda text: logger.warning(f"MuJoCo: {text}", throttle_duration_sec=5.0))
         self.scene = AlohaScene(width=width, height=height, seed=seed)
         self._image_pubs = {camera: self.create_publisher(Image, f"cameras/{camera}/image_raw",
                                                           qos_profile_sensor_data)
@@ -194,6 +230,10 @@ class SimRobot(Node):
         self.images_published = {camera: 0 for camera in CAMERAS}
         self.actions_applied = 0
         self._stop = threading.Event()
+        self._closed = False
+        # The context can be shut down (SIGINT / SIGTERM) before destroy_node joins the threads: stop them
+        # first, and treat a publish on the shut-down context as the end of the loop, not an error.
+        self.context.on_shutdown(self._stop.set)
         self._threads = [threading.Thread(target=self._physics_loop, name="aloha_physics", daemon=True),
                          threading.Thread(target=self._camera_loop, name="aloha_cameras", daemon=True)]
         for thread in self._threads:
@@ -238,10 +278,15 @@ class SimRobot(Node):
             if action is not None:
                 self.scene.set_action(action)
                 self.actions_applied += 1
-            self.scene.step(period)
+            if not self.scene.step(period):
+                with self._chunk_lock:
+                    self._chunk = None      # do not drive straight back into the same state
+                self.get_logger().warning(f"the physics went unstable: scene reset to the start pose "
+                                          f"({self.scene.resets} resets so far)", throttle_duration_sec=5.0)
             now = time.monotonic()
             if now >= next_joint:
-                self._publish_joint_state()
+                if not self._publish(self._publish_joint_state):
+                    return
                 next_joint += joint_period * max(1, int((now - next_joint) // joint_period) + 1)
             next_tick += period
             # Real time: sleep to the next tick; after a stall (CPU contention) skip ahead, not catch up.
@@ -268,16 +313,30 @@ class SimRobot(Node):
                         is_bigendian=0, step=pixels.shape[1] * 3, data=pixels.tobytes())
             msg.header.stamp = stamp.to_msg()
             msg.header.frame_id = f"{camera}_camera"
-            self._image_pubs[camera].publish(msg)
+            if not self._publish(lambda: self._image_pubs[camera].publish(msg)):
+                return
             self.images_published[camera] += 1
             index += 1
             next_render = max(next_render + period, time.monotonic())
             self._stop.wait(max(0.0, next_render - time.monotonic()))
 
+    def _publish(self, publish) -> bool:
+        """Run ``publish()``; False (the loop ends) when the node is stopping or the context is shut down."""
+        if self._stop.is_set():
+            return False
+        try:
+            publish()
+        except RCLError:
+            if self._stop.is_set() or not self.context.ok():
+                return False
+            raise
+        return True
+
     def close(self) -> None:
         """Stop the physics and camera threads and free the renderer; idempotent."""
-        if self._stop.is_set():
+        if self._closed:
             return
+        self._closed = True
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=5.0)
