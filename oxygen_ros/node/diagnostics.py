@@ -100,9 +100,10 @@ def engine_status_msg(w: StatusWindow, stamp: Time, horizon: int, dropped_frames
     """``oxygen_ros/EngineStatus`` of one status window (see msg/EngineStatus.msg for units)."""
     msg = EngineStatus()
     msg.header.stamp = stamp
-    mean_frame = w.frame_latency_sum_s / w.chunks if w.chunks else 0.0
-    msg.action_rate = horizon / mean_frame if mean_frame > 0 else 0.0
     msg.chunk_rate = w.chunks / w.period_s if w.period_s > 0 else 0.0
+    # Actions actually delivered per second over the period (H per published chunk), not the capacity
+    # H / mean latency (which says how fast the engine could go, not what the robot received).
+    msg.action_rate = msg.chunk_rate * horizon
     msg.cycle_latency_mean = w.action_latency_sum_s / w.chunks if w.chunks else 0.0
     msg.tokens_per_second = w.tokens / w.period_s if w.period_s > 0 else 0.0
     msg.frames = w.frames_total
