@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,45 +56,107 @@ class RunData:
     topics: dict[str, int] = field(default_factory=dict)  # topic -> messages in the bag
 
 
+_REPORTED = ("oxygen_ros/msg/ActionChunk", "oxygen_ros/msg/Speech", "oxygen_ros/msg/MemoryEntry",
+             "oxygen_ros/msg/EngineStatus", "sensor_msgs/msg/Image")
+
+
+def _read_rosbag2(bag: Path):
+    """(start_ns, duration_ns, topic counts, iterator of (topic, msgtype, log_ns, message)) via rosbags."""
+    reader = AnyReader([bag], default_typestore=project_typestore())
+    reader.open()
+    counts = {c.topic: c.msgcount for c in reader.connections}
+
+    def messages():
+        try:
+            for connection, log_ns, raw in reader.messages():
+                if connection.msgtype in _REPORTED:
+                    yield connection.topic, connection.msgtype, log_ns, reader.deserialize(raw, connection.msgtype)
+        finally:
+            reader.close()
+
+    return reader.start_time, reader.duration, counts, messages()
+
+
+def _read_mcap_files(files: list[Path]):
+    """The same from bare MCAP files (no metadata.yaml: the recorder was killed before it wrote it), read
+    record by record with the ``mcap`` library, so a file without its summary section or cut off mid-record
+    still yields every complete message before the cut."""
+    from mcap.records import Channel, Message, Schema
+    from mcap.stream_reader import StreamReader
+
+    typestore = project_typestore()
+    records = []
+    for path in files:
+        schemas: dict[int, str] = {}
+        channels: dict[int, tuple[str, int]] = {}
+        with open(path, "rb") as stream:
+            try:
+                for record in StreamReader(stream, validate_crcs=False).records:
+                    if isinstance(record, Schema):
+                        schemas[record.id] = record.name
+                    elif isinstance(record, Channel):
+                        channels[record.id] = (record.topic, record.schema_id)
+                    elif isinstance(record, Message) and record.channel_id in channels:
+                        topic, schema_id = channels[record.channel_id]
+                        records.append((topic, schemas.get(schema_id, ""), record.log_time, record.data))
+            except Exception:  # noqa: BLE001  a truncated tail (killed writer): keep what was complete
+                pass
+    if not records:
+        raise FileNotFoundError(f"no readable messages in {', '.join(str(f) for f in files)}")
+    records.sort(key=lambda r: r[2])
+    counts: dict[str, int] = {}
+    for topic, *_ in records:
+        counts[topic] = counts.get(topic, 0) + 1
+    start = records[0][2]
+
+    def messages():
+        for topic, msgtype, log_ns, raw in records:
+            if msgtype in _REPORTED:
+                yield topic, msgtype, log_ns, typestore.deserialize_cdr(raw, msgtype)
+
+    return start, records[-1][2] - start + 1, counts, messages()
+
+
 def load_run(run_dir: Path | str) -> RunData:
-    """Read ``run_dir/bag`` (and ``engine_cycles.json`` when present).
+    """Read ``run_dir/bag`` (and ``engine_cycles.json`` when present). A bag without ``metadata.yaml``
+    (the demo was killed) is read from its ``*.mcap`` files directly.
 
     Raises:
-        FileNotFoundError: no bag in ``run_dir``.
+        FileNotFoundError: no run directory, or no rosbag2 / MCAP file in it.
     """
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir} is not a directory")
     bag = run_dir / "bag"
-    if not (bag / "metadata.yaml").is_file():
-        raise FileNotFoundError(f"no rosbag2 in {bag}")
+    if (bag / "metadata.yaml").is_file():
+        start, duration_ns, counts, messages = _read_rosbag2(bag)
+    else:
+        files = sorted(bag.glob("*.mcap")) if bag.is_dir() else []
+        if not files:
+            raise FileNotFoundError(f"no rosbag2 (metadata.yaml) and no .mcap file in {bag}")
+        start, duration_ns, counts, messages = _read_mcap_files(files)
     data = RunData()
-    with AnyReader([bag], default_typestore=project_typestore()) as reader:
-        start = reader.start_time
-        data.duration_s = reader.duration * 1e-9
-        data.topics = {c.topic: c.msgcount for c in reader.connections}
-        for connection, log_ns, raw in reader.messages():
-            kind = connection.msgtype
-            if kind not in ("oxygen_ros/msg/ActionChunk", "oxygen_ros/msg/Speech", "oxygen_ros/msg/MemoryEntry",
-                            "oxygen_ros/msg/EngineStatus", "sensor_msgs/msg/Image"):
-                continue
-            msg = reader.deserialize(raw, kind)
-            t = (log_ns - start) * 1e-9
-            if kind.endswith("ActionChunk"):
-                data.chunks.append({"t": t, "seq": int(msg.observation_seq), "stamp_ns": _stamp_ns(msg.header),
-                                    "latency_s": float(msg.inference_latency),
-                                    "actions": np.asarray(msg.actions).reshape(msg.horizon, msg.action_dim),
-                                    "names": list(msg.action_names)})
-            elif kind.endswith("Speech"):
-                data.speech.append({"t": t, "id": msg.utterance_id, "sequence": int(msg.sequence),
-                                    "final": bool(msg.final), "status": int(msg.status), "text": msg.text,
-                                    "task": msg.task, "stamp_ns": _stamp_ns(msg.header)})
-            elif kind.endswith("MemoryEntry"):
-                data.memory.append({"t": t, "id": msg.entry_id, "text": msg.text,
-                                    "stamp_ns": _stamp_ns(msg.header), "embedding_dim": len(msg.embedding)})
-            elif kind.endswith("EngineStatus"):
-                data.statuses.append(msg)
-            elif msg.encoding == "rgb8" and msg.step == msg.width * 3:
-                pixels = np.asarray(msg.data, dtype=np.uint8).reshape(msg.height, msg.width, 3)
-                data.frames.setdefault(connection.topic, []).append((_stamp_ns(msg.header), pixels[::2, ::2]))
+    data.duration_s = duration_ns * 1e-9
+    data.topics = counts
+    for topic, kind, log_ns, msg in messages:
+        t = (log_ns - start) * 1e-9
+        if kind.endswith("ActionChunk"):
+            data.chunks.append({"t": t, "seq": int(msg.observation_seq), "stamp_ns": _stamp_ns(msg.header),
+                                "latency_s": float(msg.inference_latency),
+                                "actions": np.asarray(msg.actions).reshape(msg.horizon, msg.action_dim),
+                                "names": list(msg.action_names)})
+        elif kind.endswith("Speech"):
+            data.speech.append({"t": t, "id": msg.utterance_id, "sequence": int(msg.sequence),
+                                "final": bool(msg.final), "status": int(msg.status), "text": msg.text,
+                                "task": msg.task, "stamp_ns": _stamp_ns(msg.header)})
+        elif kind.endswith("MemoryEntry"):
+            data.memory.append({"t": t, "id": msg.entry_id, "text": msg.text,
+                                "stamp_ns": _stamp_ns(msg.header), "embedding_dim": len(msg.embedding)})
+        elif kind.endswith("EngineStatus"):
+            data.statuses.append(msg)
+        elif msg.encoding == "rgb8" and msg.step == msg.width * 3:
+            pixels = np.asarray(msg.data, dtype=np.uint8).reshape(msg.height, msg.width, 3)
+            data.frames.setdefault(topic, []).append((_stamp_ns(msg.header), pixels[::2, ::2]))
     cycles_file = run_dir / "engine_cycles.json"
     if cycles_file.is_file():
         data.cycles = json.loads(cycles_file.read_text())
@@ -293,7 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=Path, help="a demo run directory (with bag/)")
     args = parser.parse_args(argv)
-    print(format_summary(write_report(args.run_dir)))
+    try:
+        summary = write_report(args.run_dir)
+    except FileNotFoundError as error:
+        print(f"report: {error}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
     return 0
 
 
