@@ -13,3 +13,4 @@ fi
 # The repository's own install space, when it has been built (`make setup`); in a colcon workspace
 # source the workspace's install/setup.bash instead.
 if [ -f "$OXYGEN_ROOT/install/setup.bash" ]; then source "$OXYGEN_ROOT/install/setup.bash"; fi
+export PATH="$OXYGEN_ROOT/install/oxygen_ros/lib/oxygen_ros${PATH:+:$PATH}"
