@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from test_node_support import Harness, jpeg_image, raw_image, tiny_parameters, wait_for
+from test_node_support import Harness, jpeg_image, publish_until, raw_image, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 
@@ -108,8 +108,7 @@ def test_status_and_diagnostics(harness):
 ])
 def test_bad_raw_image_is_counted_and_the_node_keeps_running(harness, reason, message):
     before = harness.drops(reason)
-    harness.cam0.publish(message())
-    assert wait_for(lambda: harness.drops(reason) > before, 5.0)
+    assert publish_until(lambda: harness.cam0.publish(message()), lambda: harness.drops(reason) > before)
     assert harness.chunks_flow()
 
 
@@ -117,8 +116,8 @@ def test_corrupt_jpeg_is_counted(harness):
     before = harness.drops("corrupt_compressed")
     good = jpeg_image()
     garbage = bytes(good.data[:2]) + bytes(np.random.default_rng(3).integers(0, 256, 500, dtype=np.uint8))
-    harness.cam1.publish(type(good)(format="jpeg", data=garbage))
-    assert wait_for(lambda: harness.drops("corrupt_compressed") > before, 5.0)
+    assert publish_until(lambda: harness.cam1.publish(type(good)(format="jpeg", data=garbage)),
+                         lambda: harness.drops("corrupt_compressed") > before)
     assert harness.chunks_flow()
 
 
@@ -165,8 +164,8 @@ def test_bad_joint_state_is_counted(harness, reason, names, positions):
     from test_node_support import JOINTS
 
     before = harness.drops(reason)
-    harness.joints.publish(JointState(name=names or JOINTS, position=positions))
-    assert wait_for(lambda: harness.drops(reason) > before, 5.0)
+    assert publish_until(lambda: harness.joints.publish(JointState(name=names or JOINTS, position=positions)),
+                         lambda: harness.drops(reason) > before)
     assert harness.chunks_flow()
 
 

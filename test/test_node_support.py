@@ -47,6 +47,21 @@ def wait_for(condition, timeout: float = 10.0, interval: float = 0.02) -> bool:
     return bool(condition())
 
 
+def publish_until(publish, condition, timeout: float = 5.0, interval: float = 0.25) -> bool:
+    """Call ``publish()`` every ``interval`` [s] until ``condition()`` or ``timeout`` [s].
+
+    Camera and joint-state subscriptions are best effort with depth 1 while the harness streams good
+    messages on the same topics, so one bad message may be replaced in the queue before the node
+    reads it: resending until the node has counted it tests the drop, not the queue.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        publish()
+        if wait_for(condition, interval):
+            return True
+    return bool(condition())
+
+
 def raw_image(height=24, width=32, encoding="rgb8", step=None, stamp=None, data=None):
     """A ``sensor_msgs/Image`` of random pixels (``step`` defaults to the unpadded row size)."""
     from sensor_msgs.msg import Image
