@@ -1,6 +1,6 @@
 """π0.5 / π0 as one PyTorch module with the split the engine needs and a cache-free reference.
 
-Architecture and numerics follow ``shared/design/pi05-facts.md`` (openpi, LeRobot and transformers'
+Architecture and numerics follow the public reference implementations (openpi, LeRobot and transformers'
 π0): SigLIP vision tower + linear projector, a Gemma VLM and a Gemma action expert with separate
 weights joined by one attention per layer (Mixture-of-Transformers), flow matching with a fixed
 S-step Euler loop from t = 1 (noise) to t = 0 with dt = -1/S.
