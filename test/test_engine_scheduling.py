@@ -121,7 +121,8 @@ def test_fixed_k_runs_exactly_k_steps_per_cycle(model):
 
 
 def test_deadline_mode_spends_only_the_slack(model):
-    engine = _engine(model, [dict(SPEECH, max_new_tokens=30)], scheduling="deadline")
+    engine = _engine(model, [dict(SPEECH, max_new_tokens=30)], scheduling="deadline",
+                     min_decode_steps_per_cycle=0)
     # A deadline already past: the action chunk still comes out, no decode step is taken.
     record = engine.run_cycle(observation(0, masked=ONE_CAM), deadline=time.perf_counter()).record
     assert record.decode_steps == 0 and record.deadline_missed
@@ -130,6 +131,18 @@ def test_deadline_mode_spends_only_the_slack(model):
                               deadline=time.perf_counter() + 60.0).record
     assert record.decode_steps > 0
     assert engine._estimator.estimate_decode(2) is not None
+    engine.close()
+
+
+def test_overloaded_control_loop_still_advances_language_by_the_minimum_steps(model):
+    engine = _engine(model, [dict(SPEECH, max_new_tokens=4)], scheduling="deadline")
+    assert engine.config.min_decode_steps_per_cycle == 1
+    finals = []
+    for seq in range(8):   # every deadline already past: no slack at all
+        result = engine.run_cycle(observation(seq, masked=ONE_CAM), deadline=time.perf_counter())
+        assert result.record.decode_steps == 1 and result.action is not None
+        finals += [e for e in result.text_events if e.final]
+    assert finals and all(e.status == RequestStatus.COMPLETED for e in finals)
     engine.close()
 
 

@@ -194,6 +194,9 @@ class EngineConfig:
             while requests are active, the OxyGen paper's k) or ``deadline`` (decode steps while the
             estimated step cost fits in the slack before the cycle's deadline). Only for unified.
         decode_steps_per_cycle: k for fixed_k.
+        min_decode_steps_per_cycle: decode steps the deadline scheduler takes every cycle even
+            without slack (0 = none), so language requests keep advancing when the control loop
+            is overloaded instead of starving; each such step costs the next cycle its time.
         kv_budget_bytes: fixed byte budget of the KV pool (K and V of every layer).
         block_size: tokens per page.
         camera_slots: ordered camera slot names; the prefix concatenates cameras in this order.
@@ -213,6 +216,7 @@ class EngineConfig:
     mode: str = "unified"
     scheduling: str = "deadline"
     decode_steps_per_cycle: int = 5
+    min_decode_steps_per_cycle: int = 1
     kv_budget_bytes: int = 64 * 2**20
     block_size: int = 16
     camera_slots: tuple[str, ...] = ("base_0_rgb",)
@@ -232,6 +236,8 @@ class EngineConfig:
             raise ValueError(f"scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
         if self.decode_steps_per_cycle < 1:
             raise ValueError("decode_steps_per_cycle must be >= 1")
+        if self.min_decode_steps_per_cycle < 0:
+            raise ValueError("min_decode_steps_per_cycle must be >= 0")
         if self.kv_budget_bytes <= 0:
             raise ValueError("kv_budget_bytes must be > 0")
         if self.block_size < 1:

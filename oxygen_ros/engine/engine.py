@@ -326,11 +326,14 @@ class Engine:
                     break
             else:
                 # The largest highest-priority prefix of the batch whose estimated step cost fits
-                # the slack; stepping it also measures that batch size for the estimate.
+                # the slack; stepping it also measures that batch size for the estimate. Without
+                # slack, the first min_decode_steps_per_cycle steps still run (whole batch).
                 size = self._estimator.fitting_batch(
                     len(batch), deadline - time.perf_counter() - margin)
                 if size == 0:
-                    break
+                    if steps >= self.config.min_decode_steps_per_cycle:
+                        break
+                    size = len(batch)
                 batch = batch[:size]
             self._decode_step(batch)
             steps += 1
