@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from oxygen_ros.engine.block_pool import BlockPool
+from oxygen_ros.models.kv_cache import KVLengths
 
 
 @dataclass(eq=False)
@@ -238,7 +239,7 @@ class KVCacheManager:
             raise ValueError("KV sequence was already freed")
 
 
-class PagedKVCacheView:
+class PagedKVCacheView(KVLengths):
     """The models' ``KVCacheView`` over paged storage for a batch of B sequences (prefill, denoise).
 
     Rows may have different lengths (ragged batch). :meth:`read` returns row b's cached tokens
@@ -303,16 +304,6 @@ class PagedKVCacheView:
             self._write_src = write_mask.reshape(-1).nonzero().squeeze(1).to(device)
         self._written: set[int] = set()
 
-    @property
-    def cached_lens(self) -> torch.Tensor:
-        """int64 ``[B]``: tokens already cached per sequence before this forward."""
-        return self._cached_lens
-
-    @property
-    def new_lens(self) -> torch.Tensor:
-        """int64 ``[B]``: tokens this forward appends per sequence."""
-        return self._new_lens
-
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Cached ``(k, v, valid)`` of ``layer``: ``[B, Lc, kv_heads, head_dim]`` x2, bool ``[B, Lc]``."""
         k, v = self._gather(layer, self._read_slots, self._lc)
@@ -367,7 +358,7 @@ class PagedKVCacheView:
         self._read_only = True
 
 
-class DecodeKVCacheView:
+class DecodeKVCacheView(KVLengths):
     """The models' ``KVCacheView`` for one decode step over the manager's decode rows.
 
     Built by :meth:`KVCacheManager.decode_view`: row b of the batch is row b of the decode
@@ -392,16 +383,6 @@ class DecodeKVCacheView:
         self._length = int(cached.max()) + 1
         self._attended: set[int] = set()
         self._committed = False
-
-    @property
-    def cached_lens(self) -> torch.Tensor:
-        """int64 ``[B]``: tokens already cached per sequence before this step."""
-        return self._cached_lens
-
-    @property
-    def new_lens(self) -> torch.Tensor:
-        """int64 ``[B]``: all ones (one new token per sequence)."""
-        return self._new_lens
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Cached ``(k, v, valid)`` of ``layer``: views ``[B, Lc, kv_heads, hd]``, bool ``[B, Lc]``."""

@@ -63,7 +63,28 @@ class KVCacheView(Protocol):
         """
 
 
-class DenseKVCache:
+class KVLengths:
+    """The per-sequence lengths every :class:`KVCacheView` implementation keeps.
+
+    Subclasses set ``_cached_lens`` and ``_new_lens`` (int64 ``[B]``); this provides the protocol's
+    ``cached_lens`` and ``new_lens`` properties.
+    """
+
+    _cached_lens: torch.Tensor
+    _new_lens: torch.Tensor
+
+    @property
+    def cached_lens(self) -> torch.Tensor:
+        """int64 ``[B]``: tokens already cached per sequence before this forward."""
+        return self._cached_lens
+
+    @property
+    def new_lens(self) -> torch.Tensor:
+        """int64 ``[B]``: tokens this forward appends per sequence (0 for a read-only view)."""
+        return self._new_lens
+
+
+class DenseKVCache(KVLengths):
     """Contiguous per-layer KV storage for a fixed batch; implements :class:`KVCacheView`.
 
     Each call of :meth:`begin` starts a forward that appends ``new_lens`` tokens per sequence;
@@ -87,14 +108,6 @@ class DenseKVCache:
         self._new_lens = torch.zeros(batch_size, dtype=torch.long)
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._read_only = True
-
-    @property
-    def cached_lens(self) -> torch.Tensor:
-        return self._cached_lens
-
-    @property
-    def new_lens(self) -> torch.Tensor:
-        return self._new_lens
 
     def begin(self, new_lens: torch.Tensor | None = None) -> "DenseKVCache":
         """Start a forward appending ``new_lens`` (int64 ``[B]``) tokens; None = read-only."""
