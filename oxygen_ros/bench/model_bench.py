@@ -93,7 +93,7 @@ def bench_preset(preset: str, device: str, dtype: str, cameras: int, prompt_len:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="oxygen-bench-model", description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=["pi05_tiny", "pi0_tiny"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -214,8 +214,7 @@ class OxygenNode(LifecycleNode):
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
         """Stop the cycle thread, cancel the language requests in flight (final Speech published)."""
-        if not self._stop_cycles():
-            return TransitionCallbackReturn.FAILURE
+        self._stop_cycles()
         self._end_language_requests(publish=True)
         self._lifecycle_state = "inactive"
         self.get_logger().info("inactive")
@@ -274,22 +273,28 @@ class OxygenNode(LifecycleNode):
         self._settings = None
         self._inputs = None
 
-    def _stop_cycles(self) -> bool:
-        """Stop the control-cycle thread; True when it ended (or was not running)."""
+    def _stop_cycles(self) -> None:
+        """Stop the control-cycle thread and wait until it has ended.
+
+        The cycle in progress finishes first (its decode steps end early: the language requests are
+        cancelled), so nothing it uses — publishers, engine — is destroyed under it. A cycle is
+        bounded (one engine cycle), so this waits without a deadline and logs every 5 s while it does.
+        """
         self._active = False
         thread = self._cycle_thread
         if thread is None:
-            return True
+            return
         self._stop.set()
         self._cancel_language_requests()   # ends the decode steps of the cycle in progress early
-        thread.join(timeout=max(5.0, 3 * self._settings.control_period_s))
-        if thread.is_alive():
-            self.get_logger().error("the control cycle did not end within its timeout")
-            return False
+        thread.join(timeout=5.0)
+        while thread.is_alive():
+            self.get_logger().warning("waiting for the control cycle in progress to end")
+            thread.join(timeout=5.0)
         self._cycle_thread = None
-        return True
 
     def _cancel_language_requests(self) -> None:
+        if self._engine is None:
+            return
         for task in self._engine.config.language_tasks:
             self._engine.cancel_task(task.name)
 
