@@ -365,6 +365,10 @@ class DecodeKVCacheView(KVLengths):
     workspace, already holding the sequence's ``cached_lens[b]`` tokens. :meth:`attend` writes the
     new token into its page and into the row (one ``index_copy_`` each per K and V) and returns
     views of the rows, ``[B, max(cached_lens) + 1, kv_heads, head_dim]``: no per-step gather.
+
+    ``shared_prefix_len`` (batches of 2 or more) is the length of the leading pages every sequence
+    holds in common (forks of one prefix), capped at the shortest sequence: the rows' first
+    ``shared_prefix_len`` tokens are copies of the same pages, so attention can read them once.
     """
 
     def __init__(self, manager: KVCacheManager, seqs: list[KVSequence]):
@@ -381,6 +385,13 @@ class DecodeKVCacheView(KVLengths):
         self._page_slots = (tail * bs + cached % bs).to(device)
         self._row_slots = (torch.arange(len(seqs)) * width + cached).to(device)
         self._length = int(cached.max()) + 1
+        if len(seqs) > 1:
+            common = 0
+            for pages in zip(*(seq.block_table for seq in seqs)):
+                if pages.count(pages[0]) != len(pages):
+                    break
+                common += 1
+            self._shared_prefix_len = min(common * bs, int(cached.min()))
         self._attended: set[int] = set()
         self._committed = False
 

@@ -172,13 +172,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 FEW_QUERIES = 16
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              shared_prefix: int = 0) -> torch.Tensor:
     """Masked multi-query / grouped-query attention with scale ``head_dim^-0.5``.
 
     Args:
         q: ``[B, T, heads, hd]``.
         k, v: ``[B, L, kv_heads, hd]``; ``heads`` is a multiple of ``kv_heads``.
         mask: bool ``[B, T, L]``, True = query may attend to key. Every row needs at least one True.
+        shared_prefix: P such that ``k[:, :P]`` and ``v[:, :P]`` are the same in every row and every
+            query may attend to all of them (a shared prefix in a decode step); 0 = none.
 
     Returns:
         ``[B, T, heads·hd]`` in q's dtype.
@@ -186,12 +189,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     The query heads that share a K/V head are folded into the query length, so each K/V head is one
     batched matmul against ``heads/kv_heads · T`` queries. With at most :data:`FEW_QUERIES` folded
     queries (a decode step) two batched matmuls with an fp32 softmax between them run faster than
-    SDPA's kernel on CPU; otherwise SDPA (its softmax accumulates in fp32). Both are exact.
+    SDPA's kernel on CPU; otherwise SDPA (its softmax accumulates in fp32). Both are exact. In the
+    few-queries case with ``shared_prefix`` P > 0 and B > 1, the prefix is attended once for the
+    queries of all rows (cascade attention, :func:`_cascade_attention`).
     """
     b, t, heads, hd = q.shape
     length, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     q = q.view(b, t, kv_heads, group, hd).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * t, hd)
+    if group * t <= FEW_QUERIES and shared_prefix > 0 and b > 1:
+        out = _cascade_attention(q * hd ** -0.5, k, v, mask, shared_prefix, t)
+        return out.view(b, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, heads * hd)
     m = mask[:, None, None].expand(b, 1, group, t, length).reshape(b, 1, group * t, length)
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     if group * t <= FEW_QUERIES:
@@ -205,3 +213,47 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
     return out.view(b, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, heads * hd)
+
+
+def _cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       prefix: int, t: int) -> torch.Tensor:
+    """Attention of scaled folded queries over a prefix shared by all rows plus each row's tail.
+
+    Args:
+        q: scaled queries ``[B, kv_heads, N, hd]``, ``N = group·t`` (group-major).
+        k, v: ``[B, L, kv_heads, hd]``; ``[:, :prefix]`` is the same in every row.
+        mask: bool ``[B, t, L]``; every query sees all of ``[:prefix]``.
+        prefix: P, ``0 < P < L``.
+        t: query tokens per row.
+
+    Returns:
+        ``[B, kv_heads, N, hd]`` in q's dtype.
+
+    The prefix scores of all rows' queries are one matmul per K/V head (``K[:P]`` of row 0 against
+    ``B·N`` queries); each row's tail ``[P:L]`` is a batched matmul as in :func:`attention`. Both
+    parts are exponentiated against their joint fp32 maximum and normalised by their joint sum, so
+    the result is the softmax over all L keys.
+    """
+    b, kv_heads, n, hd = q.shape
+    length = k.shape[1]
+    tail = length - prefix
+    # Prefix: [kv, P, hd] @ [kv, hd, B·N] -> fp32 scores [kv, P, B·N].
+    k_pre, v_pre = k[0, :prefix].transpose(0, 1), v[0, :prefix].transpose(0, 1)
+    q_all = q.transpose(0, 1).reshape(kv_heads, b * n, hd)
+    s_pre = torch.bmm(k_pre, q_all.transpose(1, 2)).float()
+    # Tail: [B·kv, tail, hd] @ [B·kv, hd, N] -> fp32 scores [B·kv, tail, N], masked.
+    k_tail = k[:, prefix:].transpose(1, 2).reshape(b * kv_heads, tail, hd)
+    v_tail = v[:, prefix:].transpose(1, 2).reshape(b * kv_heads, tail, hd)
+    s_tail = torch.bmm(k_tail, q.reshape(b * kv_heads, n, hd).transpose(1, 2)).float()
+    hidden = ~mask[:, :, prefix:].transpose(1, 2)                      # [B, tail, t]
+    s_tail.view(b, kv_heads, tail, n // t, t).masked_fill_(hidden[:, None, :, None, :], float("-inf"))
+    # Joint maximum per query, in the tail layout [B·kv, 1, N] and the prefix layout [kv, 1, B·N].
+    top = torch.maximum(s_tail.amax(dim=1, keepdim=True),
+                        s_pre.amax(dim=1).view(kv_heads, b, n).transpose(0, 1).reshape(b * kv_heads, 1, n))
+    top_pre = top.view(b, kv_heads, n).transpose(0, 1).reshape(kv_heads, 1, b * n)
+    e_pre, e_tail = s_pre.sub_(top_pre).exp_(), s_tail.sub_(top).exp_()
+    total = e_tail.sum(dim=1) + e_pre.sum(dim=1).view(kv_heads, b, n).transpose(0, 1).reshape(b * kv_heads, n)
+    out_pre = torch.bmm(e_pre.transpose(1, 2).to(v.dtype), v_pre).float()        # [kv, B·N, hd]
+    out_tail = torch.bmm(e_tail.transpose(1, 2).to(v.dtype), v_tail).float()     # [B·kv, N, hd]
+    out = out_tail.add_(out_pre.view(kv_heads, b, n, hd).transpose(0, 1).reshape(b * kv_heads, n, hd))
+    return out.div_(total[..., None]).to(q.dtype).view(b, kv_heads, n, hd)

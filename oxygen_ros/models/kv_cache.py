@@ -37,6 +37,11 @@ class KVCacheView(Protocol):
     def new_lens(self) -> torch.Tensor:
         """int64 ``[B]``: tokens this forward appends per sequence (0 for a read-only view)."""
 
+    @property
+    def shared_prefix_len(self) -> int:
+        """P: the keys and values :meth:`attend` returns hold the same tokens at ``[:P]`` in every
+        row (a prefix all rows share), so attention may compute that part once; 0 = no promise."""
+
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return the cached ``(k, v, valid)`` of ``layer``.
 
@@ -66,12 +71,18 @@ class KVCacheView(Protocol):
 class KVLengths:
     """The per-sequence lengths every :class:`KVCacheView` implementation keeps.
 
-    Subclasses set ``_cached_lens`` and ``_new_lens`` (int64 ``[B]``); this provides the protocol's
-    ``cached_lens`` and ``new_lens`` properties.
+    Subclasses set ``_cached_lens`` and ``_new_lens`` (int64 ``[B]``) and may set ``_shared_prefix_len``
+    (default 0); this provides the protocol's ``cached_lens``, ``new_lens`` and ``shared_prefix_len``.
     """
 
     _cached_lens: torch.Tensor
     _new_lens: torch.Tensor
+    _shared_prefix_len: int = 0
+
+    @property
+    def shared_prefix_len(self) -> int:
+        """P: every row's first P attended keys/values are the same tokens (0 = no promise)."""
+        return self._shared_prefix_len
 
     @property
     def cached_lens(self) -> torch.Tensor:

@@ -344,7 +344,7 @@ class VLAModel(nn.Module):
             keys, values = kv.attend(i, k, v)
             if mask is None:
                 mask = self._cached_mask(cached, new_lens, new_mask, keys.shape[1])
-            x = layer.finish(x, attention(q, keys, values, mask), None)
+            x = layer.finish(x, attention(q, keys, values, mask, kv.shared_prefix_len), None)
         return x
 
     @staticmethod
