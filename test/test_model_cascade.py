@@ -1,4 +1,4 @@
-"""Cascade attention (a prefix shared by all rows, attended once) equals plain attention."""
+"""Attention paths against a naive softmax: the few-query, SDPA and cascade (shared-prefix) paths."""
 
 import torch
 
@@ -17,3 +17,22 @@ def test_cascade_attention_matches_plain_attention():
         plain, cascade = attention(q, k, v, mask), attention(q, k, v, mask, shared_prefix=prefix)
         assert cascade.shape == plain.shape == (b, 1, heads * 64)
         torch.testing.assert_close(cascade, plain, atol=1e-5, rtol=1e-5)
+
+
+def _naive(q, k, v, mask):
+    """fp64 softmax attention with K/V heads repeated for their query groups."""
+    b, t, heads, hd = q.shape
+    group = heads // k.shape[2]
+    k, v = (x.double().repeat_interleave(group, dim=2).transpose(1, 2) for x in (k, v))
+    scores = q.double().transpose(1, 2) @ k.transpose(-1, -2) * hd ** -0.5
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, heads * hd)
+
+
+def test_grouped_query_attention_with_several_kv_heads_matches_naive():
+    torch.manual_seed(1)
+    for t in (1, 40):   # a decode step (few queries) and a prefill (SDPA)
+        q, k, v = torch.randn(3, t, 8, 32), torch.randn(3, 50, 2, 32), torch.randn(3, 50, 2, 32)
+        mask = torch.rand(3, t, 50) < 0.7
+        mask[..., 0] = True
+        torch.testing.assert_close(attention(q, k, v, mask).double(), _naive(q, k, v, mask), atol=1e-5, rtol=1e-5)

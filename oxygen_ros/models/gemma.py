@@ -200,7 +200,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if group * t <= FEW_QUERIES and shared_prefix > 0 and b > 1:
         out = _cascade_attention(q * hd ** -0.5, k, v, mask, shared_prefix, t)
         return out.view(b, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, heads * hd)
-    m = mask[:, None, None].expand(b, 1, group, t, length).reshape(b, 1, group * t, length)
+    m = mask[:, None, None].expand(b, kv_heads, group, t, length).reshape(b, kv_heads, group * t, length)
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     if group * t <= FEW_QUERIES:
         # 3-D bmm reads strided K/V (e.g. views of the decode rows) in place; 4-D matmul would copy.
