@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -43,7 +44,8 @@ import torch
 from oxygen_ros.engine import BlockPool, Engine, EngineConfig, KVCacheManager, Observation
 from oxygen_ros.engine.model_runner import ModelRunner, PrefillRow
 from oxygen_ros.engine.processing import ModelProcessor
-from oxygen_ros.models import get_robot, load_model, load_tokenizer
+from oxygen_ros.models import get_preset, get_robot, load_model, load_tokenizer
+from oxygen_ros.models.tokenizer import TinyTokenizer
 from oxygen_ros.models.processing import ACTION_PROMPT, LANGUAGE_PROMPT, Processor
 
 # The paper's reported speedups over isolated execution (RTX 4090, π0.5): best 3.7x; k = 5 curve.
@@ -100,6 +102,9 @@ class Bench:
         cycles = engine.metrics_records.cycles
         wall = sum(max(period, c.frame_latency_s) for c in cycles)
         summary["tokens_per_s_at_period"] = sum(c.generated_tokens for c in cycles) / wall
+        tasks = "+".join(f"{t.name}:{t.max_new_tokens}" for t in config.language_tasks) or "action"
+        print(f"[bench] {config.mode} {config.scheduling} k={config.decode_steps_per_cycle} {tasks}: "
+              f"frame p50 {1e3 * summary['frame_latency_s']['p50']:.1f} ms", file=sys.stderr, flush=True)
         engine.flush()
         engine.close()
         return summary
@@ -146,7 +151,7 @@ def batch_scaling(model, processor, robot, budget: int, batch: int, repeats: int
         samples = []
         for _ in range(repeats):
             t = time.perf_counter()
-            runner.decode_step(seqs[:size], [5] * size)
+            runner.synchronized(runner.decode_step(seqs[:size], [5] * size))
             samples.append(time.perf_counter() - t)
         times[size] = float(np.median(samples))
     return {"batch": batch, "shared_prefix": shared_prefix, "step_1_s": times[1],
@@ -157,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="oxygen-bench-engine", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="pi05_tiny")
     parser.add_argument("--robot", default="libero", help="camera slots and state/action dims")
+    parser.add_argument("--horizon", type=int, default=None,
+                        help="action horizon H (default the preset's; the paper's protocol uses 10)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--frames", type=int, default=30, help="measured frames per setting")
@@ -166,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-frames", type=int, default=60)
     parser.add_argument("--kv-budget-mib", type=float, default=256.0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="PaliGemma SentencePiece model for full presets, or 'tiny' for the offline "
+                             "tiny tokenizer over the preset's vocabulary (timing with random weights)")
     parser.add_argument("--out", default="bench-results/engine_bench.json")
     args = parser.parse_args(argv)
     if args.frames < 1 or args.warmup < 0 or min(args.n) < 1 or min(args.k) < 1:
@@ -173,15 +183,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model = load_model(args.preset, dtype=args.dtype, device=args.device)
+    overrides = {} if args.horizon is None else {"action_horizon": args.horizon}
+    model = load_model(get_preset(args.preset, **overrides), dtype=args.dtype, device=args.device)
     robot = get_robot(args.robot)
-    processor = ModelProcessor(Processor(model.config, robot, load_tokenizer(model.config)))
+    if args.tokenizer == "tiny":
+        tokenizer = TinyTokenizer(model.config.vocab_size)
+    else:
+        tokenizer = load_tokenizer(model.config, args.tokenizer)
+    processor = ModelProcessor(Processor(model.config, robot, tokenizer))
     bench = Bench(model, processor, robot, args.frames, args.warmup,
                   int(args.kv_budget_mib * 2**20))
     horizon = model.config.action_horizon
     results: dict = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                                  "torch": torch.__version__, "threads": torch.get_num_threads(),
-                                 "device": args.device},
+                                 "device": args.device, "device_name": _device_name(model.device)},
+                     "tokenizer": args.tokenizer or "preset",
                      "preset": args.preset, "dtype": args.dtype, "robot": args.robot,
                      "frames": args.frames, "horizon": horizon, "rows": []}
 
@@ -191,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p_cost = phases["encode_s"] + phases["prefill_s"]
     v_cost = phases["encode_s"]
     d_cost_denoise = phases["denoise_s"]
+    print(f"[bench] P = {1e3 * p_cost:.1f} ms (vision {1e3 * v_cost:.1f}), D = {1e3 * d_cost_denoise:.1f} ms",
+          file=sys.stderr, flush=True)
     decode_samples = []
 
     rows = results["rows"]
@@ -205,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                             warmup=args.warmup + math.ceil(n / k))
             rows.append(_row("unified", n, k, uni, iso, horizon))
     d_cost = float(np.median(decode_samples))
+    print(f"[bench] d = {1e3 * d_cost:.2f} ms", file=sys.stderr, flush=True)
     for row in rows:
         if row["setting"] == "unified":
             bound = (2 * p_cost + d_cost_denoise + row["N"] * d_cost) / \
@@ -261,6 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
 def _row(setting: str, n: int, k: int | None, summary: dict, isolated: dict, horizon: int) -> dict:
     """One table row; latency, action rate (H / latency) and speedup from per-frame medians."""
     latency = summary["frame_latency_s"]["p50"]
@@ -285,7 +310,8 @@ def _print(results: dict) -> None:
     c = results["costs_s"]
     print(f"preset {results['preset']} ({results['dtype']}), robot {results['robot']}, "
           f"{results['frames']} frames/setting, H={results['horizon']}, "
-          f"{results['machine']['threads']} threads on {results['machine']['device']}")
+          f"{results['machine']['threads']} threads on {results['machine']['device']} "
+          f"({results['machine']['device_name']}), tokenizer {results['tokenizer']}")
     print(f"P = {1e3 * c['P']:.1f} ms (vision {1e3 * c['V']:.1f}), D = {1e3 * c['D']:.1f} ms, "
           f"d = {1e3 * c['d']:.2f} ms")
     print("frame ms / act Hz / speedup: per-frame medians (means in the JSON)")

@@ -99,7 +99,18 @@ class ModelRunner:
         pixels = self.processor.images_to_pixels(images).to(self.device)
         self.counters.vision_calls += 1
         self.counters.images_encoded += len(images)
-        return self.model.encode_images(pixels)
+        return self.synchronized(self.model.encode_images(pixels))
+
+    def synchronized(self, result):
+        """``result`` once the device has finished the work queued so far.
+
+        CUDA kernels run asynchronously: without this, the engine's phase timings (and the
+        scheduler's online cost estimates built from them) would measure kernel launches, not
+        work. A no-op on CPU.
+        """
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return result
 
     def embed_prompt(self, ids: Sequence[int]) -> torch.Tensor:
         """``[T, W]`` embeddings of prompt token ids."""
@@ -137,7 +148,7 @@ class ModelRunner:
         self.counters.prefill_calls += 1
         self.counters.prefilled_tokens += sum(lens)
         logits_out, pooled_out = out if pooled else (out, None)
-        return (None if logits_out is None else logits_out.float()), pooled_out
+        return self.synchronized(((None if logits_out is None else logits_out.float()), pooled_out))
 
     @torch.inference_mode()
     def denoise(self, seq: KVSequence, noise: torch.Tensor, num_steps: int,
@@ -147,8 +158,8 @@ class ModelRunner:
         view = self.manager.view([seq])
         self.counters.denoise_calls += 1
         state_batch = None if state is None else state[None].to(self.device)
-        return self.model.denoise(view, noise.to(self.device), num_steps=num_steps,
-                                  state=state_batch)
+        return self.synchronized(self.model.denoise(view, noise.to(self.device), num_steps=num_steps,
+                                                    state=state_batch))
 
     @torch.inference_mode()
     def decode_step(self, seqs: list[KVSequence], token_ids: list[int]) -> torch.Tensor:

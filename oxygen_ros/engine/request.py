@@ -95,6 +95,7 @@ def sample_tokens(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     for row, request in enumerate(requests):
         temperature = request.task.sampling.temperature
         if temperature > 0:
-            probs = torch.softmax(logits[row].float() / temperature, dim=-1)
+            # The request's generator lives on the CPU (reproducible whatever the device).
+            probs = torch.softmax(logits[row].float().cpu() / temperature, dim=-1)
             tokens[row] = int(torch.multinomial(probs, 1, generator=request.generator))
     return tokens

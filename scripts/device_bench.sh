@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# GPU benchmark of the ROS-free engine and models: full-size π0.5 in bf16 on CUDA.
+#
+# Runs on a machine with PyTorch (CUDA), transformers, tokenizers, safetensors, numpy and pyyaml
+# installed, from the repository root, with no ROS and no set-up step:
+#     OUT=bench-results/gpu scripts/device_bench.sh
+# The weights are random (no checkpoint is downloaded) and the prompt uses the offline tiny
+# tokenizer over the preset's vocabulary: timings depend on shapes, not on weight values. The
+# engine table follows the paper's protocol (S = 10, H = 10, one speech request per frame).
+# Writes text and JSON under $OUT. Override PRESET, DTYPE, DEVICE, FRAMES, ENGINE_ARGS (more engine-bench
+# flags, e.g. "--n 30") and MODEL_PRESETS (empty: no model bench) for other runs.
+set -uo pipefail
+OUT=${OUT:-bench-results/gpu}
+PRESET=${PRESET:-pi05}
+DTYPE=${DTYPE:-bfloat16}
+DEVICE=${DEVICE:-cuda}
+FRAMES=${FRAMES:-30}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+fi
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+    | tee -a "$OUT/gpu.txt"
+status=0
+timeout "${ENGINE_TIMEOUT:-330}" python3 -m oxygen_ros.bench.engine_bench --preset "$PRESET" --dtype "$DTYPE" \
+    --device "$DEVICE" --tokenizer tiny --horizon 10 --kv-budget-mib "${KV_MIB:-8192}" --frames "$FRAMES" \
+    --out "$OUT/engine_bench_${PRESET}_${DEVICE}.json" ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine_bench_${PRESET}_${DEVICE}.txt" \
+    || status=1
+MODEL_PRESETS=${MODEL_PRESETS-pi05 pi0}
+if [ -n "$MODEL_PRESETS" ]; then
+    timeout "${MODEL_TIMEOUT:-120}" python3 -m oxygen_ros.bench.model_bench --device "$DEVICE" --dtype "$DTYPE" \
+        --presets $MODEL_PRESETS --decode-batch 8 2>&1 | tee "$OUT/model_bench_${DEVICE}.txt" || status=1
+fi
+exit $status
