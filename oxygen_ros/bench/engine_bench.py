@@ -85,23 +85,48 @@ class Bench:
                        "num_denoise_steps": 10},
             "language_tasks": tasks, "max_batch_size": 256, "max_waiting": 256})
 
-    def run(self, config: EngineConfig, warmup: int | None = None) -> dict:
+    def run(self, config: EngineConfig, warmup: int | None = None, drain: int = 0) -> dict:
         """Warm up, reset metrics, run the measured frames, flush; the engine's summary plus
-        ``tokens_per_s_at_period``: tokens over the wall time of frames started one control
-        period apart (a frame that overruns delays the next), the throughput a robot sees."""
+
+        * ``tokens_per_s_at_period``: tokens over the robot time of the measured frames, frames
+          starting one control period apart (a frame that overruns delays the next): the
+          steady-state throughput a robot sees;
+        * with ``drain`` > 0, ``window_tokens_per_s``: the tokens of the requests triggered by the
+          measured frames over the robot time from the first measured frame's start to the end of
+          the frame in which the last of them completed (up to ``drain`` more frames run, whose
+          own requests are not counted), and ``window_drain_frames``; None if some request of the
+          window did not complete within ``drain`` frames.
+        """
         engine = Engine(self.model, self.processor, config)
         warmup = self.warmup if warmup is None else warmup
-        observations = _observations(self.robot, warmup + self.frames, 0, self.instruction)
+        observations = _observations(self.robot, warmup + self.frames + drain, 0, self.instruction)
         for obs in observations[:warmup]:
             engine.run_cycle(obs)
         engine.reset_metrics()
-        for obs in observations[warmup:]:
-            engine.run_cycle(obs)
-        summary = engine.metrics()
         period = config.action.control_period_s
-        cycles = engine.metrics_records.cycles
-        wall = sum(max(period, c.frame_latency_s) for c in cycles)
-        summary["tokens_per_s_at_period"] = sum(c.generated_tokens for c in cycles) / wall
+        window = {obs.seq for obs in observations[warmup:warmup + self.frames]}
+        # Every task triggers on every frame in this benchmark.
+        expected = len(window) * len(config.language_tasks)
+        finished, window_tokens, robot_time, drained = 0, 0, 0.0, 0
+        for index, obs in enumerate(observations[warmup:]):
+            if index >= self.frames and finished == expected:
+                break
+            result = engine.run_cycle(obs)
+            robot_time += max(period, result.record.frame_latency_s)
+            drained += index >= self.frames
+            for event in result.text_events:
+                if event.seq in window and event.final:
+                    finished += 1
+                    window_tokens += len(event.token_ids)
+            if index == self.frames - 1:
+                summary = engine.metrics()
+                cycles = engine.metrics_records.cycles
+                wall = sum(max(period, c.frame_latency_s) for c in cycles)
+                summary["tokens_per_s_at_period"] = sum(c.generated_tokens for c in cycles) / wall
+        if drain:
+            complete = finished == expected
+            summary["window_tokens_per_s"] = window_tokens / robot_time if complete else None
+            summary["window_drain_frames"] = drained if complete else None
         tasks = "+".join(f"{t.name}:{t.max_new_tokens}" for t in config.language_tasks) or "action"
         print(f"[bench] {config.mode} {config.scheduling} k={config.decode_steps_per_cycle} {tasks}: "
               f"frame p50 {1e3 * summary['frame_latency_s']['p50']:.1f} ms", file=sys.stderr, flush=True)
@@ -249,10 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     period = 0.5 * ((p_cost + d_cost_denoise + d_cost) + (2 * p_cost + d_cost_denoise + n_max * d_cost))
     deadline_frames = Bench(model, processor, robot, args.deadline_frames, args.warmup, bench.budget)
     dl = deadline_frames.run(bench.config("unified", [speech(n_max)], scheduling="deadline",
-                                          period=period), warmup=args.warmup + n_max)
+                                          period=period), warmup=args.warmup + n_max, drain=2 * n_max)
     iso_dl = deadline_frames.run(bench.config("isolated", [speech(n_max)], period=period))
     k1 = deadline_frames.run(bench.config("unified", [speech(n_max)], k=1, period=period),
-                             warmup=args.warmup + n_max)
+                             warmup=args.warmup + n_max, drain=2 * n_max)
     results["deadline"] = {"control_period_s": period, "N": n_max, "frames": args.deadline_frames,
                            "unified_misses": dl["deadline_misses"],
                            "isolated_misses": iso_dl["deadline_misses"],
@@ -261,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
                            "k1_tokens_per_s": k1["tokens_per_s"],
                            "k1_tokens_per_s_at_period": k1["tokens_per_s_at_period"],
                            "k1_misses": k1["deadline_misses"],
+                           "unified_window_tokens_per_s": dl["window_tokens_per_s"],
+                           "k1_window_tokens_per_s": k1["window_tokens_per_s"],
+                           "unified_window_drain_frames": dl["window_drain_frames"],
+                           "k1_window_drain_frames": k1["window_drain_frames"],
                            "unified_completion_p50_s": dl["completion_s"]["p50"],
                            "k1_completion_p50_s": k1["completion_s"]["p50"],
                            "unified_mean_decode_steps": dl["mean_decode_steps_per_frame"],
@@ -338,6 +367,10 @@ def _print(results: dict) -> None:
           f"{_fmt(d['unified_tokens_per_s'], '.0f')} vs {_fmt(d['k1_tokens_per_s'], '.0f')}); "
           f"completion p50 {_fmt(d['unified_completion_p50_s'], '.3f')} s vs "
           f"{_fmt(d['k1_completion_p50_s'], '.3f')} s")
+    print(f"  tokens/s of the window's {d['frames']} requests until the last completes: deadline "
+          f"{_fmt(d['unified_window_tokens_per_s'], '.0f')} ({_fmt(d['unified_window_drain_frames'], 'd')} "
+          f"drain frames) vs k=1 {_fmt(d['k1_window_tokens_per_s'], '.0f')} "
+          f"({_fmt(d['k1_window_drain_frames'], 'd')})")
     for key, label in (("batch_scaling", "one shared prefix"),
                        ("batch_scaling_cross_frame", "a prefix per request")):
         b = results[key]
