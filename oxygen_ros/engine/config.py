@@ -206,7 +206,10 @@ class EngineConfig:
         max_waiting: most requests queued for admission; beyond it the oldest lowest-priority one
             is dropped.
         step_cost_quantile: quantile of recent measured step costs the deadline scheduler budgets
-            with (0.9 = p90: conservative against slow outliers).
+            with. Default 1.0, the slowest of the recent steps at that batch size, because the
+            action deadline is hard: the last step of a cycle overruns whenever it is slower than
+            its estimate by more than the leftover slack, so with p90 (0.9) about one cycle in 20
+            missed on an H200 whose step times spread by a few ms (engine benchmark, 4 of 60).
         step_cost_window: recent measurements kept per decode batch size (and for prefill).
         slack_margin_s: seconds kept free before the deadline (timer jitter, event handling).
         metrics_window: most recent cycles and requests the metrics keep for percentiles (counters
@@ -224,7 +227,7 @@ class EngineConfig:
     language_tasks: tuple[TaskConfig, ...] = ()
     max_batch_size: int = 64
     max_waiting: int = 64
-    step_cost_quantile: float = 0.9
+    step_cost_quantile: float = 1.0
     step_cost_window: int = 32
     slack_margin_s: float = 0.002
     metrics_window: int = 1000

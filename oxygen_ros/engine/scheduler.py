@@ -13,7 +13,7 @@ model. Memory policy (vLLM-style reservation, simplified to a worst case per req
   ``preempted``) if that makes room; otherwise it waits (``admission: wait``, up to ``max_wait_s`` of
   observation time) or ends as ``dropped`` (``admission: drop``, or a charge above the whole pool).
 
-The step-cost estimate is a high quantile (p90 by default) of the recent measured decode steps per
+The step-cost estimate is a high quantile (by default the maximum) of the recent measured decode steps per
 batch size (and per prefilled token for prefills); the deadline-aware engine starts a step, or
 admits a prefill, only when its estimate fits the slack left before the deadline.
 """
