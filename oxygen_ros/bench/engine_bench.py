@@ -20,6 +20,11 @@ where the action rate is H / frame latency.
 
 Timing statistic: medians. Frame latencies, P, V, D and d are per-frame medians, so a few frames
 slowed by other processes on a shared machine do not decide a ratio (means are in the JSON).
+Interleaving: the settings compared with each other (per N: the action task alone, isolated,
+shared_prefix, unified at every k; and the two-task group) run side by side, each on its own engine,
+taking turns in ``--rounds`` chunks of frames, so a machine whose speed drifts over minutes slows all of
+them alike; each row's bound uses its group's own P, V, D and d. The header shows their medians over
+the groups.
 
 Deadline mode: the control period lies halfway between unified's best frame (P + D + d) and an
 isolated frame at the largest N (2P + D + N·d), so isolated misses it on most cycles.
@@ -31,12 +36,14 @@ stdout and JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -53,12 +60,58 @@ PAPER_BEST = 3.7
 PAPER_K5 = {5: 1.27, 10: 1.60, 20: 2.35, 30: 2.98}
 
 
-def _observations(robot, count: int, seed: int, instruction: str) -> list[Observation]:
+def _observation_stream(robot, seed: int, instruction: str) -> Iterator[Observation]:
+    """Endless random observations (every camera slot, a state), stamped 0.1 s apart."""
     rng = np.random.default_rng(seed)
-    return [Observation({slot: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
-                         for slot in robot.camera_slots}, instruction,
-                        rng.uniform(-1, 1, robot.state_dim).astype(np.float32),
-                        stamp=0.1 * i, seq=i) for i in range(count)]
+    for i in itertools.count():
+        yield Observation({slot: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+                           for slot in robot.camera_slots}, instruction,
+                          rng.uniform(-1, 1, robot.state_dim).astype(np.float32),
+                          stamp=0.1 * i, seq=i)
+
+
+def _observations(robot, count: int, seed: int, instruction: str) -> list[Observation]:
+    return list(itertools.islice(_observation_stream(robot, seed, instruction), count))
+
+
+class Session:
+    """One engine fed its own observation stream, measured in chunks of frames that
+    :meth:`Bench.interleaved` alternates with other sessions.
+
+    Args:
+        bench: the benchmark (model, processor, robot, budget).
+        config: the engine configuration; warmup: frames run before measuring.
+    """
+
+    def __init__(self, bench: "Bench", config: EngineConfig, warmup: int):
+        self.config = config
+        self.engine = Engine(bench.model, bench.processor, config)
+        self._stream = _observation_stream(bench.robot, 0, bench.instruction)
+        for _ in range(warmup):
+            self.engine.run_cycle(next(self._stream))
+        self.engine.reset_metrics()
+
+    def run(self, frames: int) -> None:
+        for _ in range(frames):
+            self.engine.run_cycle(next(self._stream))
+
+    def finish(self) -> dict:
+        """The engine's summary plus ``tokens_per_s_at_period`` (see :meth:`Bench.run`); closes it."""
+        summary = self.engine.metrics()
+        period = self.config.action.control_period_s
+        cycles = self.engine.metrics_records.cycles
+        wall = sum(max(period, c.frame_latency_s) for c in cycles)
+        summary["tokens_per_s_at_period"] = sum(c.generated_tokens for c in cycles) / wall
+        _progress(self.config, summary)
+        self.engine.flush()
+        self.engine.close()
+        return summary
+
+
+def _progress(config: EngineConfig, summary: dict) -> None:
+    tasks = "+".join(f"{t.name}:{t.max_new_tokens}" for t in config.language_tasks) or "action"
+    print(f"[bench] {config.mode} {config.scheduling} k={config.decode_steps_per_cycle} {tasks}: "
+          f"frame p50 {1e3 * summary['frame_latency_s']['p50']:.1f} ms", file=sys.stderr, flush=True)
 
 
 class Bench:
@@ -127,12 +180,24 @@ class Bench:
             complete = finished == expected
             summary["window_tokens_per_s"] = window_tokens / robot_time if complete else None
             summary["window_drain_frames"] = drained if complete else None
-        tasks = "+".join(f"{t.name}:{t.max_new_tokens}" for t in config.language_tasks) or "action"
-        print(f"[bench] {config.mode} {config.scheduling} k={config.decode_steps_per_cycle} {tasks}: "
-              f"frame p50 {1e3 * summary['frame_latency_s']['p50']:.1f} ms", file=sys.stderr, flush=True)
+        _progress(config, summary)
         engine.flush()
         engine.close()
         return summary
+
+    def interleaved(self, specs: list[tuple[EngineConfig, int]], rounds: int) -> list[dict]:
+        """Summaries of several settings measured side by side: one :class:`Session` per
+        ``(config, warmup)``, each warmed up, then ``rounds`` rounds in which every session runs
+        its next chunk of the measured frames in turn. A machine whose speed drifts over minutes
+        (other tenants, clocks) then slows every setting alike, and the ratios between them hold.
+        """
+        sessions = [Session(self, config, warmup) for config, warmup in specs]
+        rounds = max(1, min(rounds, self.frames))
+        chunks = [self.frames // rounds + (i < self.frames % rounds) for i in range(rounds)]
+        for chunk in chunks:
+            for session in sessions:
+                session.run(chunk)
+        return [session.finish() for session in sessions]
 
 
 def speech(n: int) -> dict:
@@ -195,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="warm-up frames (unified adds N/k)")
     parser.add_argument("--n", type=int, nargs="+", default=[5, 10, 20, 30], help="decode lengths N")
     parser.add_argument("--k", type=int, nargs="+", default=[1, 5, 10], help="decode steps per frame")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds in which the settings of one group take turns (chunks of frames)")
     parser.add_argument("--deadline-frames", type=int, default=60)
     parser.add_argument("--kv-budget-mib", type=float, default=256.0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
@@ -203,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                              "tiny tokenizer over the preset's vocabulary (timing with random weights)")
     parser.add_argument("--out", default="bench-results/engine_bench.json")
     args = parser.parse_args(argv)
-    if args.frames < 1 or args.warmup < 0 or min(args.n) < 1 or min(args.k) < 1:
-        parser.error("--frames, --n and --k must be >= 1, --warmup >= 0")
+    if args.frames < 1 or args.warmup < 0 or min(args.n) < 1 or min(args.k) < 1 or args.rounds < 1:
+        parser.error("--frames, --rounds, --n and --k must be >= 1, --warmup >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -226,48 +293,48 @@ def main(argv: list[str] | None = None) -> int:
                      "preset": args.preset, "dtype": args.dtype, "robot": args.robot,
                      "frames": args.frames, "horizon": horizon, "rows": []}
 
-    # Component costs P, V, D (action-only isolated run) and d (isolated decode steps, batch 1).
-    action_only = bench.run(bench.config("isolated", []))
-    phases = action_only["phase_p50_s"]
-    p_cost = phases["encode_s"] + phases["prefill_s"]
-    v_cost = phases["encode_s"]
-    d_cost_denoise = phases["denoise_s"]
-    print(f"[bench] P = {1e3 * p_cost:.1f} ms (vision {1e3 * v_cost:.1f}), D = {1e3 * d_cost_denoise:.1f} ms",
-          file=sys.stderr, flush=True)
-    decode_samples = []
-
+    # One group of interleaved settings per N: the action task alone (P, V, D), isolated (d = one
+    # decode step of one request), shared_prefix and unified for every k; bounds use the group's own
+    # costs. The two-task mode is a group of its own.
     rows = results["rows"]
+    groups = []
     for n in args.n:
-        iso = bench.run(bench.config("isolated", [speech(n)]))
-        decode_samples.append(iso["phase_p50_s"]["decode_s"] / max(1, iso["mean_decode_steps_per_frame"]))
+        specs = [(bench.config("isolated", []), args.warmup),
+                 (bench.config("isolated", [speech(n)]), args.warmup),
+                 (bench.config("shared_prefix", [speech(n)]), args.warmup)]
+        specs += [(bench.config("unified", [speech(n)], k=k), args.warmup + math.ceil(n / k))
+                  for k in args.k]
+        action, iso, shared, *unified = bench.interleaved(specs, args.rounds)
+        costs = _costs(action, iso)
+        groups.append(costs)
+        print(f"[bench] N={n}: P = {1e3 * costs['P']:.1f} ms (vision {1e3 * costs['V']:.1f}), "
+              f"D = {1e3 * costs['D']:.1f} ms, d = {1e3 * costs['d']:.2f} ms", file=sys.stderr, flush=True)
         rows.append(_row("isolated", n, None, iso, iso, horizon))
-        shared = bench.run(bench.config("shared_prefix", [speech(n)]))
         rows.append(_row("shared_prefix", n, None, shared, iso, horizon))
-        for k in args.k:
-            uni = bench.run(bench.config("unified", [speech(n)], k=k),
-                            warmup=args.warmup + math.ceil(n / k))
-            rows.append(_row("unified", n, k, uni, iso, horizon))
-    d_cost = float(np.median(decode_samples))
-    print(f"[bench] d = {1e3 * d_cost:.2f} ms", file=sys.stderr, flush=True)
-    for row in rows:
-        if row["setting"] == "unified":
-            bound = (2 * p_cost + d_cost_denoise + row["N"] * d_cost) / \
-                (p_cost + d_cost_denoise + row["k"] * d_cost)
-            row["bound"] = bound
-            row["pct_of_bound"] = 100.0 * row["speedup"] / bound
-            row["paper"] = PAPER_K5.get(row["N"]) if row["k"] == 5 else None
+        for k, uni in zip(args.k, unified):
+            row = _row("unified", n, k, uni, iso, horizon)
+            row["bound"] = (2 * costs["P"] + costs["D"] + n * costs["d"]) / \
+                (costs["P"] + costs["D"] + k * costs["d"])
+            row["pct_of_bound"] = 100.0 * row["speedup"] / row["bound"]
+            row["paper"] = PAPER_K5.get(n) if k == 5 else None
+            rows.append(row)
 
     # Two-task mode: speech (action prompt) + memory (language prompt), N tokens each, k = 5.
     n2, k2 = max(args.n), 5 if 5 in args.k else args.k[0]
-    iso2 = bench.run(bench.config("isolated", [speech(n2), memory(n2)]))
-    uni2 = bench.run(bench.config("unified", [speech(n2), memory(n2)], k=k2),
-                     warmup=args.warmup + math.ceil(n2 / k2))
+    action2, iso2, uni2 = bench.interleaved(
+        [(bench.config("isolated", []), args.warmup),
+         (bench.config("isolated", [speech(n2), memory(n2)]), args.warmup),
+         (bench.config("unified", [speech(n2), memory(n2)], k=k2), args.warmup + math.ceil(n2 / k2))],
+        args.rounds)
+    c2 = _costs(action2, iso2)
     two = _row("unified two-task", n2, k2, uni2, iso2, horizon)
-    two["bound"] = (3 * p_cost + d_cost_denoise + 2 * n2 * d_cost) / \
-        (p_cost + (p_cost - v_cost) + d_cost_denoise + k2 * d_cost)
+    two["bound"] = (3 * c2["P"] + c2["D"] + 2 * n2 * c2["d"]) / \
+        (c2["P"] + (c2["P"] - c2["V"]) + c2["D"] + k2 * c2["d"])
     two["pct_of_bound"] = 100.0 * two["speedup"] / two["bound"]
     rows.append(_row("isolated two-task", n2, None, iso2, iso2, horizon))
     rows.append(two)
+    p_cost, v_cost, d_cost_denoise, d_cost = (float(np.median([g[key] for g in groups]))
+                                              for key in ("P", "V", "D", "d"))
 
     # Deadline mode: a control period that isolated at the largest N misses on most cycles.
     n_max = max(args.n)
@@ -299,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     results["batch_scaling_cross_frame"] = batch_scaling(model, processor, robot, bench.budget, 30,
                                                          repeats=15, shared_prefix=False)
     results["costs_s"] = {"P": p_cost, "V": v_cost, "D": d_cost_denoise, "d": d_cost}
+    results["costs_s_per_group"] = {**{f"N={n}": g for n, g in zip(args.n, groups)}, "two-task": c2}
     results["paper"] = {"best": PAPER_BEST, "k5": PAPER_K5, "gpu": "RTX 4090"}
 
     _print(results)
@@ -307,6 +375,16 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(results, indent=2, default=str))
     print(f"\nJSON written to {out}")
     return 0
+
+
+def _costs(action: dict, isolated: dict) -> dict:
+    """P (vision + prefill), V (vision), D (denoising) from the action-only setting's per-phase
+    medians; d (one decode step of one request) from an isolated setting's per-frame decode time
+    over its steps per frame."""
+    phases = action["phase_p50_s"]
+    steps = max(1.0, isolated["mean_decode_steps_per_frame"] or 0.0)
+    return {"P": phases["encode_s"] + phases["prefill_s"], "V": phases["encode_s"],
+            "D": phases["denoise_s"], "d": isolated["phase_p50_s"]["decode_s"] / steps}
 
 
 def _device_name(device: torch.device) -> str:

@@ -68,16 +68,47 @@ class AdaRMSNorm(nn.Module):
         return y.to(x.dtype), gate.to(x.dtype)
 
 
+# Rows up to which :func:`linear` computes ``(W @ xᵀ)ᵀ`` on the CPU instead of ``x @ Wᵀ``.
+SMALL_M_ROWS = 8
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weightᵀ (+ bias)`` for ``x [..., in]``, ``weight [out, in]`` -> ``[..., out]``.
+
+    On the CPU with at most :data:`SMALL_M_ROWS` rows (decode steps, the denoising loop) it is
+    computed as ``(weight @ xᵀ)ᵀ``. Measured with MKL on 2 x86 cores with the weights streamed from
+    DRAM, as in a decode step that reads every weight once: ``x @ Wᵀ`` costs 1.3-1.5x more for 2-4
+    rows than for 1 (the weight is streamed about once per row), ``W @ xᵀ`` stays within 10 % of
+    the 1-row cost; whole decode steps of 2-8 requests ran 5-25 % faster, of 12-16 no faster, and
+    the denoising loop (10 rows, weights hot in cache) slower, hence the limit of 8. The values
+    agree up to fp32 summation order. Elsewhere (more rows, GPUs) it is ``F.linear``.
+    """
+    rows = x.numel() // max(1, x.shape[-1])
+    if x.device.type != "cpu" or rows > SMALL_M_ROWS or rows == 0:
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t()
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and state-dict keys) whose forward is :func:`linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class GemmaAttentionProjections(nn.Module):
     """Q/K/V/O projections (no bias): q ``W→heads·hd``, k/v ``W→kv_heads·hd``, o ``heads·hd→W``."""
 
     def __init__(self, width: int, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(width, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(width, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(width, num_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, width, bias=False)
+        self.q_proj = Linear(width, num_heads * head_dim, bias=False)
+        self.k_proj = Linear(width, num_kv_heads * head_dim, bias=False)
+        self.v_proj = Linear(width, num_kv_heads * head_dim, bias=False)
+        self.o_proj = Linear(num_heads * head_dim, width, bias=False)
 
 
 class GeGLU(nn.Module):
@@ -85,9 +116,9 @@ class GeGLU(nn.Module):
 
     def __init__(self, width: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(width, hidden, bias=False)
-        self.up_proj = nn.Linear(width, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, width, bias=False)
+        self.gate_proj = Linear(width, hidden, bias=False)
+        self.up_proj = Linear(width, hidden, bias=False)
+        self.down_proj = Linear(hidden, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))

@@ -1,0 +1,43 @@
+"""The engine benchmark runs every setting end to end and reports consistent counters.
+
+Timings are not asserted (a benchmark measures); what must hold whatever the machine is the
+structure of the report and the work counters: sharing halves vision calls and prefilled tokens,
+every row's bound is computed, and the deadline comparison reports the window throughput.
+"""
+
+import json
+
+from oxygen_ros.bench import engine_bench
+
+
+def test_engine_bench_smoke(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert engine_bench.main(["--frames", "2", "--warmup", "1", "--n", "3", "--k", "1", "5",
+                              "--rounds", "2", "--deadline-frames", "3", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    table = capsys.readouterr().out
+    assert "batch scaling" in table and "deadline mode" in table
+
+    rows = {(r["setting"], r["k"]): r for r in results["rows"]}
+    assert set(rows) == {("isolated", None), ("shared_prefix", None), ("unified", 1), ("unified", 5),
+                         ("isolated two-task", None), ("unified two-task", 5)}
+    iso, shared = rows[("isolated", None)], rows[("shared_prefix", None)]
+    # One speech request per frame with the action prompt: isolated encodes and prefills twice.
+    assert iso["vision_calls_per_frame"] == 2.0
+    for key in (("shared_prefix", None), ("unified", 1), ("unified", 5)):
+        assert rows[key]["vision_calls_per_frame"] == 1.0
+        assert rows[key]["prefilled_tokens_per_frame"] * 2 == iso["prefilled_tokens_per_frame"]
+    assert shared["speedup"] > 0
+    # Two tasks with different prompts: one vision call, each prompt prefilled once.
+    assert rows[("unified two-task", 5)]["vision_calls_per_frame"] == 1.0
+    assert rows[("isolated two-task", None)]["vision_calls_per_frame"] == 3.0
+    for key in (("unified", 1), ("unified", 5), ("unified two-task", 5)):
+        assert rows[key]["bound"] > 1.0 and rows[key]["pct_of_bound"] > 0
+    assert set(results["costs_s_per_group"]) == {"N=3", "two-task"}
+
+    deadline = results["deadline"]
+    assert deadline["frames"] == 3
+    # Every request of the window completes within the drain frames, so the window throughput exists.
+    assert deadline["unified_window_tokens_per_s"] > 0 and deadline["k1_window_tokens_per_s"] > 0
+    for key in ("batch_scaling", "batch_scaling_cross_frame"):
+        assert results[key]["batch"] == 30 and results[key]["ratio"] > 0
