@@ -7,8 +7,12 @@
 # The weights are random (no checkpoint is downloaded) and the prompt uses the offline tiny
 # tokenizer over the preset's vocabulary: timings depend on shapes, not on weight values. The
 # engine table follows the paper's protocol (S = 10, H = 10, one speech request per frame).
-# Writes text and JSON under $OUT. Override PRESET, DTYPE, DEVICE, FRAMES, ENGINE_ARGS (more engine-bench
-# flags, e.g. "--n 30") and MODEL_PRESETS (empty: no model bench) for other runs.
+# Writes the engine table (text + JSON, the JSON updated after every group) and the model bench (text)
+# under $OUT. Override PRESET, DTYPE, DEVICE, FRAMES, KV_MIB (KV pool budget per engine), ENGINE_ARGS
+# (more engine-bench flags), MODEL_PRESETS (empty: no model bench), ENGINE_TIMEOUT and MODEL_TIMEOUT
+# (seconds). The README's H200 table came from
+#     OUT=$OUT ENGINE_TIMEOUT=370 ENGINE_ARGS="--n 30" MODEL_PRESETS="" scripts/device_bench.sh
+# (eager PyTorch on an H200 needs about 5 min for N = 30 alone, about 15 min for every N).
 set -uo pipefail
 OUT=${OUT:-bench-results/gpu}
 PRESET=${PRESET:-pi05}
@@ -23,7 +27,7 @@ fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 status=0
-timeout "${ENGINE_TIMEOUT:-330}" python3 -m oxygen_ros.bench.engine_bench --preset "$PRESET" --dtype "$DTYPE" \
+timeout "${ENGINE_TIMEOUT:-1800}" python3 -m oxygen_ros.bench.engine_bench --preset "$PRESET" --dtype "$DTYPE" \
     --device "$DEVICE" --tokenizer tiny --horizon 10 --kv-budget-mib "${KV_MIB:-8192}" --frames "$FRAMES" \
     --out "$OUT/engine_bench_${PRESET}_${DEVICE}.json" ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine_bench_${PRESET}_${DEVICE}.txt" \
     || status=1

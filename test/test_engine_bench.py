@@ -41,3 +41,16 @@ def test_engine_bench_smoke(tmp_path, capsys):
     assert deadline["unified_window_tokens_per_s"] > 0 and deadline["k1_window_tokens_per_s"] > 0
     for key in ("batch_scaling", "batch_scaling_cross_frame"):
         assert results[key]["batch"] == 30 and results[key]["ratio"] > 0
+
+
+def test_engine_bench_rejects_bad_arguments_before_building_the_model(tmp_path, capsys):
+    for argv in (["--deadline-frames", "0"], ["--horizon", "0"], ["--rounds", "0"],
+                 ["--preset", "pi05", "--tokenizer", str(tmp_path / "missing.model")]):
+        try:
+            engine_bench.main(argv + ["--out", str(tmp_path / "x.json")])
+        except SystemExit as exit_:
+            assert exit_.code == 2, argv
+        else:
+            raise AssertionError(f"{argv} was accepted")
+        assert "error:" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

@@ -29,7 +29,8 @@ the groups.
 Deadline mode: the control period lies halfway between unified's best frame (P + D + d) and an
 isolated frame at the largest N (2P + D + N·d), so isolated misses it on most cycles.
 
-Usage: ``oxygen-bench-engine --frames 30`` (``--frames 5 --quick`` for a smoke run); writes a table to
+Usage: ``oxygen-bench-engine --frames 30`` (``--frames 2 --warmup 1 --n 3 --k 1 5 --deadline-frames 3``
+for a smoke run); writes a table to
 stdout and JSON to ``--out``.
 """
 
@@ -51,7 +52,7 @@ import torch
 from oxygen_ros.engine import BlockPool, Engine, EngineConfig, KVCacheManager, Observation
 from oxygen_ros.engine.model_runner import ModelRunner, PrefillRow
 from oxygen_ros.engine.processing import ModelProcessor
-from oxygen_ros.models import get_preset, get_robot, load_model, load_tokenizer
+from oxygen_ros.models import PRESETS, ROBOTS, get_preset, get_robot, load_model, load_tokenizer
 from oxygen_ros.models.tokenizer import TinyTokenizer
 from oxygen_ros.models.processing import ACTION_PROMPT, LANGUAGE_PROMPT, Processor
 
@@ -250,8 +251,9 @@ def batch_scaling(model, processor, robot, budget: int, batch: int, repeats: int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="oxygen-bench-engine", description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="pi05_tiny")
-    parser.add_argument("--robot", default="libero", help="camera slots and state/action dims")
+    parser.add_argument("--preset", default="pi05_tiny", choices=sorted(PRESETS))
+    parser.add_argument("--robot", default="libero", choices=sorted(ROBOTS),
+                        help="camera slots and state/action dims")
     parser.add_argument("--horizon", type=int, default=None,
                         help="action horizon H (default the preset's; the paper's protocol uses 10)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -259,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frames", type=int, default=30, help="measured frames per setting")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up frames (unified adds N/k)")
     parser.add_argument("--n", type=int, nargs="+", default=[5, 10, 20, 30], help="decode lengths N")
-    parser.add_argument("--k", type=int, nargs="+", default=[1, 5, 10], help="decode steps per frame")
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 5, 10],
+                        help="decode steps per frame (the two-task mode uses 5 if listed, else the first)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds in which the settings of one group take turns (chunks of frames)")
     parser.add_argument("--deadline-frames", type=int, default=60)
@@ -270,18 +273,28 @@ def main(argv: list[str] | None = None) -> int:
                              "tiny tokenizer over the preset's vocabulary (timing with random weights)")
     parser.add_argument("--out", default="bench-results/engine_bench.json")
     args = parser.parse_args(argv)
-    if args.frames < 1 or args.warmup < 0 or min(args.n) < 1 or min(args.k) < 1 or args.rounds < 1:
-        parser.error("--frames, --rounds, --n and --k must be >= 1, --warmup >= 0")
+    if min(args.frames, args.rounds, args.deadline_frames, *args.n, *args.k) < 1:
+        parser.error("--frames, --rounds, --deadline-frames, --n and --k must be >= 1")
+    if args.warmup < 0 or args.threads < 0 or args.kv_budget_mib <= 0:
+        parser.error("--warmup and --threads must be >= 0, --kv-budget-mib > 0")
+    if args.horizon is not None and args.horizon < 1:
+        parser.error("--horizon must be >= 1")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch ({torch.__version__}) has no CUDA device")
+    config = get_preset(args.preset, **({} if args.horizon is None else {"action_horizon": args.horizon}))
+    # Check the tokenizer before building the model (a full preset takes a while to build).
+    if args.tokenizer == "tiny":
+        tokenizer = TinyTokenizer(config.vocab_size)
+    else:
+        try:
+            tokenizer = load_tokenizer(config, args.tokenizer)
+        except (ValueError, FileNotFoundError) as error:
+            parser.error(f"--tokenizer: {error} (or --tokenizer tiny for timing with random weights)")
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    overrides = {} if args.horizon is None else {"action_horizon": args.horizon}
-    model = load_model(get_preset(args.preset, **overrides), dtype=args.dtype, device=args.device)
+    model = load_model(config, dtype=args.dtype, device=args.device)
     robot = get_robot(args.robot)
-    if args.tokenizer == "tiny":
-        tokenizer = TinyTokenizer(model.config.vocab_size)
-    else:
-        tokenizer = load_tokenizer(model.config, args.tokenizer)
     processor = ModelProcessor(Processor(model.config, robot, tokenizer))
     bench = Bench(model, processor, robot, args.frames, args.warmup,
                   int(args.kv_budget_mib * 2**20))
@@ -291,7 +304,14 @@ def main(argv: list[str] | None = None) -> int:
                                  "device": args.device, "device_name": _device_name(model.device)},
                      "tokenizer": args.tokenizer or "preset",
                      "preset": args.preset, "dtype": args.dtype, "robot": args.robot,
-                     "frames": args.frames, "horizon": horizon, "rows": []}
+                     "frames": args.frames, "horizon": horizon, "args": vars(args), "rows": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        # Written after every group too, so a run stopped by a time limit keeps what it measured.
+        out.write_text(json.dumps(results, indent=2, default=str))
+
 
     # One group of interleaved settings per N: the action task alone (P, V, D), isolated (d = one
     # decode step of one request), shared_prefix and unified for every k; bounds use the group's own
@@ -318,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             row["pct_of_bound"] = 100.0 * row["speedup"] / row["bound"]
             row["paper"] = PAPER_K5.get(n) if k == 5 else None
             rows.append(row)
+        save()
 
     # Two-task mode: speech (action prompt) + memory (language prompt), N tokens each, k = 5.
     n2, k2 = max(args.n), 5 if 5 in args.k else args.k[0]
@@ -333,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     two["pct_of_bound"] = 100.0 * two["speedup"] / two["bound"]
     rows.append(_row("isolated two-task", n2, None, iso2, iso2, horizon))
     rows.append(two)
+    save()
     p_cost, v_cost, d_cost_denoise, d_cost = (float(np.median([g[key] for g in groups]))
                                               for key in ("P", "V", "D", "d"))
 
@@ -370,9 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     results["paper"] = {"best": PAPER_BEST, "k5": PAPER_K5, "gpu": "RTX 4090"}
 
     _print(results)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=str))
+    save()
     print(f"\nJSON written to {out}")
     return 0
 
