@@ -176,3 +176,41 @@ def test_decode_rows_hold_exactly_each_sequences_tokens(steps):
         for i, seq in enumerate(batch):
             assert _read(manager, seq)[-1] == new[order.index(i), 0, 0, 0].item()
     assert manager.decode_rows < 2 * max(len(members) for members, _ in steps)
+
+
+def test_decode_rows_survive_a_step_with_a_smaller_batch():
+    """A sequence that sits out a step (the deadline scheduler stepped only part of the batch)
+    keeps its decode row: the next full step gathers nothing from the pages, and every row still
+    reads its own tokens. Freeing a sequence gives its row up."""
+    manager = KVCacheManager(_pool(64))
+    root = manager.new_sequence()
+    _append(manager, root, [1.0, 2.0, 3.0])
+    seqs = [manager.fork(root) for _ in range(4)]
+    counter = 10.0
+
+    def step(batch):
+        nonlocal counter
+        for seq in batch:
+            manager.prepare_append(seq, 1)
+        expected = [_read(manager, seq) for seq in batch]
+        view, order = manager.decode_view(batch)
+        new = torch.tensor([counter + i for i in order]).view(-1, 1, 1, 1).expand(-1, 1, 1, 2)
+        counter += len(batch)
+        keys, _ = view.attend(0, new.contiguous(), new.contiguous())
+        for row, i in enumerate(order):
+            n = batch[i].num_tokens
+            assert keys[row, :n + 1, 0, 0].tolist() == expected[i] + [new[row, 0, 0, 0].item()]
+        view.commit()
+
+    step(seqs)
+    assert manager.decode_gathered_tokens == 4 * 3
+    step([seqs[3]])          # row 3 swaps into row 0; the sequence there moves to row 3
+    step([seqs[2], seqs[0]])
+    step(seqs)
+    assert manager.decode_gathered_tokens == 4 * 3
+    manager.free(seqs[1])
+    step([seqs[0], seqs[2], seqs[3]])
+    assert manager.decode_gathered_tokens == 4 * 3
+    fresh = manager.fork(root)
+    step([fresh, seqs[0]])
+    assert manager.decode_gathered_tokens == 4 * 3 + 3

@@ -214,7 +214,8 @@ def memory(n: int) -> dict:
 
 def batch_scaling(model, processor, robot, budget: int, batch: int, repeats: int,
                   shared_prefix: bool = True) -> dict:
-    """Median seconds of one decode step for 1 and for ``batch`` requests over paged KV.
+    """Median seconds of one decode step for 1 and for ``batch`` requests over paged KV
+    (``repeats`` steps of each, alternating).
 
     The requests hold a real prefix (every camera + the action prompt) and then ragged numbers of
     decoded tokens (0..29). ``shared_prefix``: they fork one prefix (the issue's protocol);
@@ -237,14 +238,14 @@ def batch_scaling(model, processor, robot, budget: int, batch: int, repeats: int
     for i, seq in enumerate(seqs):
         for _ in range(i % 30):
             runner.decode_step([seq], [5])
-    times = {}
-    for size in (1, batch):
-        samples = []
-        for _ in range(repeats):
+    # The two sizes alternate, so a machine whose speed drifts affects both alike.
+    samples: dict[int, list[float]] = {1: [], batch: []}
+    for _ in range(repeats):
+        for size in samples:
             t = time.perf_counter()
             runner.synchronized(runner.decode_step(seqs[:size], [5] * size))
-            samples.append(time.perf_counter() - t)
-        times[size] = float(np.median(samples))
+            samples[size].append(time.perf_counter() - t)
+    times = {size: float(np.median(values)) for size, values in samples.items()}
     return {"batch": batch, "shared_prefix": shared_prefix, "step_1_s": times[1],
             f"step_{batch}_s": times[batch], "ratio": times[batch] / times[1]}
 

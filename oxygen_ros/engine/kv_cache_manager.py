@@ -53,12 +53,16 @@ class KVCacheManager:
         # Grow-only gather buffers per layer (K and V): reads reuse them instead of allocating
         # (and page-faulting) fresh multi-MiB tensors every decode step.
         self._workspace: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * pool.num_layers
-        # Decode rows: dense per-layer K/V [rows, length, kv_heads, head_dim]; row r of the batch
-        # holds the first _row_len[r] tokens of the sequence assigned to it in _rows.
+        # Decode rows: dense per-layer K/V [rows, length, kv_heads, head_dim]; row r holds the
+        # first _row_len[r] tokens of the sequence assigned to it in _rows (the current batch in
+        # rows 0..B-1, and sequences that sat out the last steps wherever their rows survived).
         self._decode_k: list[torch.Tensor] = []
         self._decode_v: list[torch.Tensor] = []
         self._rows: dict[KVSequence, int] = {}
         self._row_len: list[int] = []
+        # Tokens gathered from the pages into decode rows so far (a sequence joining the batch
+        # costs its whole length once; a row that survived costs nothing).
+        self.decode_gathered_tokens = 0
 
     def workspace(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V gather buffers of ``layer`` with at least ``rows`` token rows
@@ -123,6 +127,7 @@ class KVCacheManager:
     def free(self, seq: KVSequence) -> None:
         """Drop the sequence's references; pages no one else holds return to the pool at once."""
         self._check_live(seq)
+        self._rows.pop(seq, None)
         self.pool.release(seq.block_table)
         seq.block_table = []
         seq.num_tokens = 0
@@ -144,9 +149,12 @@ class KVCacheManager:
     def decode_view(self, seqs: list[KVSequence]) -> tuple["DecodeKVCacheView", list[int]]:
         """A view for one decode step (one new token per sequence) over the decode rows.
 
-        The sequences are given rows ``0..B-1`` of the decode workspace: a sequence keeps its row
-        from the previous step when that row is below B, otherwise it takes a free one; rows of
-        sequences that left the batch are dropped. Only tokens a row lacks (a sequence that just
+        The sequences are given rows ``0..B-1`` of the decode workspace. A sequence keeps its row
+        when that row is below B. A sequence whose row lies at B or above (it sat out a step with a
+        smaller batch) swaps rows with a row below B that no batch member holds, so the sequence
+        held there stays resident too; a sequence with no row takes such a row, and the sequence
+        there moves to a free row if there is one, else loses its row. Rows stay with their
+        sequences until overwritten or :meth:`free`. Only tokens a row lacks (a sequence that just
         joined, or tokens appended by a prefill since) are gathered from the pages, with one
         ``index_select`` and one ``index_copy_`` per layer for all rows together.
 
@@ -167,14 +175,35 @@ class KVCacheManager:
             if len(seq.block_table) * bs <= seq.num_tokens:
                 raise ValueError("sequence pages cannot hold its next token; call prepare_append")
         batch = len(seqs)
-        kept = {seq: row for seq in seqs if (row := self._rows.get(seq, batch)) < batch}
-        free = iter(sorted(set(range(batch)) - set(kept.values())))
-        self._rows = {seq: kept[seq] if seq in kept else next(free) for seq in seqs}
         self._ensure_decode_rows(batch, max(seq.num_tokens for seq in seqs) + 1)
-        for seq, row in self._rows.items():
-            if seq not in kept:
-                self._row_len[row] = 0
-        self._sync_rows()
+        members = set(seqs)
+        occupant = {row: seq for seq, row in self._rows.items()}
+        targets = iter([row for row in range(batch) if occupant.get(row) not in members])
+        spare = iter([row for row in range(batch, self.decode_rows) if row not in occupant])
+        for seq in seqs:
+            source = self._rows.get(seq)
+            if source is not None and source < batch:
+                continue
+            target = next(targets)
+            evicted = occupant.pop(target, None)
+            if source is not None:
+                # Resident above the batch: swap rows with whatever is at the target.
+                self._move_row(source, target, swap=True)
+                if evicted is not None:
+                    self._rows[evicted] = occupant[source] = source
+                else:
+                    del occupant[source]
+            else:
+                if evicted is not None:
+                    destination = next(spare, None)
+                    if destination is None:
+                        del self._rows[evicted]
+                    else:
+                        self._move_row(target, destination)
+                        self._rows[evicted] = occupant[destination] = destination
+                self._row_len[target] = 0
+            self._rows[seq] = occupant[target] = target
+        self._sync_rows(seqs)
         order = sorted(range(batch), key=lambda i: self._rows[seqs[i]])
         return DecodeKVCacheView(self, [seqs[i] for i in order]), order
 
@@ -205,12 +234,28 @@ class KVCacheManager:
                     buffers[layer] = grown
         self._row_len.extend([0] * (new_rows - len(self._row_len)))
 
-    def _sync_rows(self) -> None:
-        """Gather, for every decode row, the tokens its sequence has and the row lacks."""
+    def _move_row(self, source: int, target: int, swap: bool = False) -> None:
+        """Copy decode row ``source`` (and its length) to row ``target`` in every layer's K and V;
+        with ``swap``, exchange the two rows."""
+        for buffers in (self._decode_k, self._decode_v):
+            for rows in buffers:
+                if swap:
+                    rows[[source, target]] = rows[[target, source]]
+                else:
+                    rows[target] = rows[source]
+        if swap:
+            self._row_len[source], self._row_len[target] = self._row_len[target], self._row_len[source]
+        else:
+            self._row_len[target] = self._row_len[source]
+
+    def _sync_rows(self, seqs: list[KVSequence]) -> None:
+        """Gather, for the decode row of every sequence in ``seqs``, the tokens the sequence has
+        and the row lacks."""
         bs = self.block_size
         width = self._decode_k[0].shape[1]
         sources, targets = [], []
-        for seq, row in self._rows.items():
+        for seq in seqs:
+            row = self._rows[seq]
             have = self._row_len[row]
             if have < seq.num_tokens:
                 positions = torch.arange(have, seq.num_tokens)
@@ -218,6 +263,7 @@ class KVCacheManager:
                 sources.append(table[positions // bs] * bs + positions % bs)
                 targets.append(row * width + positions)
                 self._row_len[row] = seq.num_tokens
+                self.decode_gathered_tokens += len(positions)
         if not sources:
             return
         device = self.pool.k[0].device
