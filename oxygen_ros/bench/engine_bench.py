@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, nargs="+", default=[5, 10, 20, 30], help="decode lengths N")
     parser.add_argument("--k", type=int, nargs="+", default=[1, 5, 10],
                         help="decode steps per frame (the two-task mode uses 5 if listed, else the first)")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=int, default=10,
                         help="rounds in which the settings of one group take turns (chunks of frames)")
     parser.add_argument("--deadline-frames", type=int, default=60)
     parser.add_argument("--kv-budget-mib", type=float, default=256.0)
