@@ -268,6 +268,8 @@ def plot_timeline(data: RunData, path: Path) -> None:
         misses = seqs[[c["deadline_missed"] for c in data.cycles]]
         if len(misses):
             ax_cycles.plot(misses, np.full(len(misses), bottom.max() * 1.05), "rv", ms=4, label="deadline missed")
+        # Head room above the bars and markers for the legend, so it hides none of them.
+        ax_cycles.set_ylim(0, max(bottom.max(), 1e-3) * 1.4)
         ax_cycles.legend(loc="upper right", ncols=5, fontsize=8)
     else:
         ax_cycles.text(0.5, 0.5, "no engine cycle records", ha="center", transform=ax_cycles.transAxes)
@@ -311,8 +313,11 @@ def plot_timeline(data: RunData, path: Path) -> None:
 def plot_contact_sheet(data: RunData, path: Path, rows: int = 6) -> None:
     """Sampled action chunks: the newest frame per camera at the chunk's stamp, and the chunk's actions."""
     cameras = sorted(data.frames)
-    picks = [data.chunks[int(i)] for i in np.linspace(0, len(data.chunks) - 1, min(rows, len(data.chunks)))] \
-        if data.chunks else []
+    # Chunks computed before every camera has a recorded frame (the bag started mid-stream) would
+    # show empty panels: sample among the chunks that have a frame of every camera at or before them.
+    first_frame = max((min(f[0] for f in frames) for frames in data.frames.values() if frames), default=0)
+    shown = [c for c in data.chunks if c["stamp_ns"] >= first_frame] or data.chunks
+    picks = [shown[int(i)] for i in np.linspace(0, len(shown) - 1, min(rows, len(shown)))] if shown else []
     ncols = len(cameras) + 1
     fig, axes = plt.subplots(max(1, len(picks)), ncols, figsize=(3.2 * ncols, 2.4 * max(1, len(picks))),
                              squeeze=False)
