@@ -160,22 +160,29 @@ def test_decode_rows_hold_exactly_each_sequences_tokens(steps):
         if prefill:   # a prefill through an ordinary view between decode steps
             _append(manager, batch[0], [counter + i for i in range(prefill)])
             counter += prefill
-        for seq in batch:
-            manager.prepare_append(seq, 1)
-        expected = [_read(manager, seq) for seq in batch]
-        view, order = manager.decode_view(batch)
-        assert sorted(order) == list(range(len(batch)))
-        new = torch.tensor([counter + i for i in order]).view(-1, 1, 1, 1).expand(-1, 1, 1, 2)
-        counter += len(batch)
-        keys, values = view.attend(0, new.contiguous(), new.contiguous())
-        for row, i in enumerate(order):
-            n = batch[i].num_tokens
-            assert keys[row, :n + 1, 0, 0].tolist() == expected[i] + [new[row, 0, 0, 0].item()]
-            assert torch.equal(keys[row, :n + 1], values[row, :n + 1])
-        view.commit()
-        for i, seq in enumerate(batch):
-            assert _read(manager, seq)[-1] == new[order.index(i), 0, 0, 0].item()
+        counter = _decode_step_checked(manager, batch, counter)
     assert manager.decode_rows < 2 * max(len(members) for members, _ in steps)
+
+
+def _decode_step_checked(manager, batch, counter):
+    """One decode step of ``batch`` whose new keys are ``counter, counter + 1, ...`` (in view order);
+    asserts that every row holds its sequence's tokens so far plus the new one, and that the new
+    token reached the sequence's pages. Returns the next counter."""
+    for seq in batch:
+        manager.prepare_append(seq, 1)
+    expected = [_read(manager, seq) for seq in batch]
+    view, order = manager.decode_view(batch)
+    assert sorted(order) == list(range(len(batch)))
+    new = torch.tensor([counter + i for i in order]).view(-1, 1, 1, 1).expand(-1, 1, 1, 2)
+    keys, values = view.attend(0, new.contiguous(), new.contiguous())
+    for row, i in enumerate(order):
+        n = batch[i].num_tokens
+        assert keys[row, :n + 1, 0, 0].tolist() == expected[i] + [new[row, 0, 0, 0].item()]
+        assert torch.equal(keys[row, :n + 1], values[row, :n + 1])
+    view.commit()
+    for i, seq in enumerate(batch):
+        assert _read(manager, seq)[-1] == new[order.index(i), 0, 0, 0].item()
+    return counter + len(batch)
 
 
 def test_decode_rows_survive_a_step_with_a_smaller_batch():
@@ -190,17 +197,7 @@ def test_decode_rows_survive_a_step_with_a_smaller_batch():
 
     def step(batch):
         nonlocal counter
-        for seq in batch:
-            manager.prepare_append(seq, 1)
-        expected = [_read(manager, seq) for seq in batch]
-        view, order = manager.decode_view(batch)
-        new = torch.tensor([counter + i for i in order]).view(-1, 1, 1, 1).expand(-1, 1, 1, 2)
-        counter += len(batch)
-        keys, _ = view.attend(0, new.contiguous(), new.contiguous())
-        for row, i in enumerate(order):
-            n = batch[i].num_tokens
-            assert keys[row, :n + 1, 0, 0].tolist() == expected[i] + [new[row, 0, 0, 0].item()]
-        view.commit()
+        counter = _decode_step_checked(manager, batch, counter)
 
     step(seqs)
     assert manager.decode_gathered_tokens == 4 * 3
