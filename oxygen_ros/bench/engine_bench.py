@@ -49,7 +49,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from oxygen_ros.engine import BlockPool, Engine, EngineConfig, KVCacheManager, Observation
+from oxygen_ros.engine import BlockPool, CycleResult, Engine, EngineConfig, KVCacheManager, Observation
 from oxygen_ros.engine.model_runner import ModelRunner, PrefillRow
 from oxygen_ros.engine.processing import ModelProcessor
 from oxygen_ros.models import PRESETS, ROBOTS, get_preset, get_robot, load_model, load_tokenizer
@@ -76,8 +76,8 @@ def _observations(robot, count: int, seed: int, instruction: str) -> list[Observ
 
 
 class Session:
-    """One engine fed its own observation stream, measured in chunks of frames that
-    :meth:`Bench.interleaved` alternates with other sessions.
+    """One engine fed its own observation stream: warmed up, then measured frame by frame or in
+    chunks that :meth:`Bench.interleaved` alternates with other sessions.
 
     Args:
         bench: the benchmark (model, processor, robot, budget).
@@ -92,17 +92,26 @@ class Session:
             self.engine.run_cycle(next(self._stream))
         self.engine.reset_metrics()
 
+    def step(self) -> CycleResult:
+        return self.engine.run_cycle(next(self._stream))
+
     def run(self, frames: int) -> None:
         for _ in range(frames):
-            self.engine.run_cycle(next(self._stream))
+            self.step()
 
-    def finish(self) -> dict:
-        """The engine's summary plus ``tokens_per_s_at_period`` (see :meth:`Bench.run`); closes it."""
+    def summary(self) -> dict:
+        """The engine's summary of the frames since warm-up plus ``tokens_per_s_at_period``:
+        tokens over the robot time of those frames, frames starting one control period apart (a
+        frame that overruns delays the next): the steady-state throughput a robot sees."""
         summary = self.engine.metrics()
         period = self.config.action.control_period_s
         cycles = self.engine.metrics_records.cycles
         wall = sum(max(period, c.frame_latency_s) for c in cycles)
         summary["tokens_per_s_at_period"] = sum(c.generated_tokens for c in cycles) / wall
+        return summary
+
+    def close(self, summary: dict) -> dict:
+        """Print the progress line, flush and close the engine; returns ``summary``."""
         _progress(self.config, summary)
         self.engine.flush()
         self.engine.close()
@@ -140,32 +149,24 @@ class Bench:
             "language_tasks": tasks, "max_batch_size": 256, "max_waiting": 256})
 
     def run(self, config: EngineConfig, warmup: int | None = None, drain: int = 0) -> dict:
-        """Warm up, reset metrics, run the measured frames, flush; the engine's summary plus
-
-        * ``tokens_per_s_at_period``: tokens over the robot time of the measured frames, frames
-          starting one control period apart (a frame that overruns delays the next): the
-          steady-state throughput a robot sees;
-        * with ``drain`` > 0, ``window_tokens_per_s``: the tokens of the requests triggered by the
-          measured frames over the robot time from the first measured frame's start to the end of
-          the frame in which the last of them completed (up to ``drain`` more frames run, whose
-          own requests are not counted), and ``window_drain_frames``; None if some request of the
-          window did not complete within ``drain`` frames.
-        """
-        engine = Engine(self.model, self.processor, config)
-        warmup = self.warmup if warmup is None else warmup
-        observations = _observations(self.robot, warmup + self.frames + drain, 0, self.instruction)
-        for obs in observations[:warmup]:
-            engine.run_cycle(obs)
-        engine.reset_metrics()
+        """Warm up, run the measured frames; :meth:`Session.summary` of them, plus, with ``drain``
+        > 0, ``window_tokens_per_s``: the tokens of the requests triggered by the measured frames
+        over the robot time from the first measured frame's start to the end of the frame in which
+        the last of them completed (up to ``drain`` more frames run, whose own requests are not
+        counted), and ``window_drain_frames``; None if some request of the window did not complete
+        within ``drain`` frames."""
+        session = Session(self, config, self.warmup if warmup is None else warmup)
         period = config.action.control_period_s
-        window = {obs.seq for obs in observations[warmup:warmup + self.frames]}
         # Every task triggers on every frame in this benchmark.
-        expected = len(window) * len(config.language_tasks)
+        expected = self.frames * len(config.language_tasks)
+        window: set[int] = set()
         finished, window_tokens, robot_time, drained = 0, 0, 0.0, 0
-        for index, obs in enumerate(observations[warmup:]):
+        for index in range(self.frames + drain):
             if index >= self.frames and finished == expected:
                 break
-            result = engine.run_cycle(obs)
+            result = session.step()
+            if index < self.frames:
+                window.add(result.action.seq)
             robot_time += max(period, result.record.frame_latency_s)
             drained += index >= self.frames
             for event in result.text_events:
@@ -173,18 +174,12 @@ class Bench:
                     finished += 1
                     window_tokens += len(event.token_ids)
             if index == self.frames - 1:
-                summary = engine.metrics()
-                cycles = engine.metrics_records.cycles
-                wall = sum(max(period, c.frame_latency_s) for c in cycles)
-                summary["tokens_per_s_at_period"] = sum(c.generated_tokens for c in cycles) / wall
+                summary = session.summary()
         if drain:
             complete = finished == expected
             summary["window_tokens_per_s"] = window_tokens / robot_time if complete else None
             summary["window_drain_frames"] = drained if complete else None
-        _progress(config, summary)
-        engine.flush()
-        engine.close()
-        return summary
+        return session.close(summary)
 
     def interleaved(self, specs: list[tuple[EngineConfig, int]], rounds: int) -> list[dict]:
         """Summaries of several settings measured side by side: one :class:`Session` per
@@ -198,7 +193,7 @@ class Bench:
         for chunk in chunks:
             for session in sessions:
                 session.run(chunk)
-        return [session.finish() for session in sessions]
+        return [session.close(session.summary()) for session in sessions]
 
 
 def speech(n: int) -> dict:
@@ -312,7 +307,6 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         # Written after every group too, so a run stopped by a time limit keeps what it measured.
         out.write_text(json.dumps(results, indent=2, default=str))
-
 
     # One group of interleaved settings per N: the action task alone (P, V, D), isolated (d = one
     # decode step of one request), shared_prefix and unified for every k; bounds use the group's own

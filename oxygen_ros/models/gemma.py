@@ -75,7 +75,7 @@ SMALL_M_ROWS = 8
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weightᵀ (+ bias)`` for ``x [..., in]``, ``weight [out, in]`` -> ``[..., out]``.
 
-    On the CPU with at most :data:`SMALL_M_ROWS` rows (decode steps, the denoising loop) it is
+    On the CPU with at most :data:`SMALL_M_ROWS` rows (decode steps of up to 8 requests) it is
     computed as ``(weight @ xᵀ)ᵀ``. Measured with MKL on 2 x86 cores with the weights streamed from
     DRAM, as in a decode step that reads every weight once: ``x @ Wᵀ`` costs 1.3-1.5x more for 2-4
     rows than for 1 (the weight is streamed about once per row), ``W @ xᵀ`` stays within 10 % of
