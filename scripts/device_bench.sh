@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU benchmark of the ROS-free engine and models: full-size π0.5 in bf16 on CUDA.
+# GPU checks and benchmark of the ROS-free engine and models: the CUDA-only tests, then full-size
+# π0.5 in bf16 on CUDA.
 #
 # Runs on a machine with PyTorch (CUDA), transformers, tokenizers, safetensors, numpy and pyyaml
 # installed, from the repository root, with no ROS and no set-up step:
@@ -7,12 +8,13 @@
 # The weights are random (no checkpoint is downloaded) and the prompt uses the offline tiny
 # tokenizer over the preset's vocabulary: timings depend on shapes, not on weight values. The
 # engine table follows the paper's protocol (S = 10, H = 10, one speech request per frame).
-# Writes the engine table (text + JSON, the JSON updated after every group) and the model bench (text)
-# under $OUT. Override PRESET, DTYPE, DEVICE, FRAMES, KV_MIB (KV pool budget per engine), ENGINE_ARGS
-# (more engine-bench flags), MODEL_PRESETS (empty: no model bench), ENGINE_TIMEOUT and MODEL_TIMEOUT
-# (seconds). The README's H200 table came from
-#     OUT=$OUT ENGINE_TIMEOUT=370 ENGINE_ARGS="--n 30" MODEL_PRESETS="" scripts/device_bench.sh
-# (eager PyTorch on an H200 needs about 5 min for N = 30 alone, about 15 min for every N).
+# Runs the tests in TESTS first (default: the CUDA-graph tests, which skip on a CPU-only machine;
+# empty: none; needs pytest). Writes the test log, the engine table (text + JSON, the JSON updated
+# after every group) and the model bench (text) under $OUT. Override PRESET, DTYPE, DEVICE, FRAMES,
+# KV_MIB (KV pool budget per engine), ENGINE_ARGS (more engine-bench flags), MODEL_PRESETS (empty: no
+# model bench), TESTS_TIMEOUT, ENGINE_TIMEOUT and MODEL_TIMEOUT (seconds). The README's H200 table came from
+#     OUT=$OUT ENGINE_TIMEOUT=360 ENGINE_ARGS="--n 30" MODEL_PRESETS="pi05" scripts/device_bench.sh
+# (eager PyTorch on an H200 needed about 5 min for N = 30 alone, about 15 min for every N).
 set -uo pipefail
 OUT=${OUT:-bench-results/gpu}
 PRESET=${PRESET:-pi05}
@@ -27,6 +29,10 @@ fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 status=0
+TESTS=${TESTS-test/test_model_cuda_graphs.py}
+if [ -n "$TESTS" ]; then
+    timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q $TESTS 2>&1 | tee "$OUT/tests.txt" || status=1
+fi
 timeout "${ENGINE_TIMEOUT:-1800}" python3 -m oxygen_ros.bench.engine_bench --preset "$PRESET" --dtype "$DTYPE" \
     --device "$DEVICE" --tokenizer tiny --horizon 10 --kv-budget-mib "${KV_MIB:-8192}" --frames "$FRAMES" \
     --out "$OUT/engine_bench_${PRESET}_${DEVICE}.json" ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine_bench_${PRESET}_${DEVICE}.txt" \

@@ -134,9 +134,11 @@ class Bench:
         budget: KV pool budget in bytes.
     """
 
-    def __init__(self, model, processor, robot, frames: int, warmup: int, budget: int):
+    def __init__(self, model, processor, robot, frames: int, warmup: int, budget: int,
+                 cuda_graphs: bool = True):
         self.model, self.processor, self.robot = model, processor, robot
         self.frames, self.warmup, self.budget = frames, warmup, budget
+        self.cuda_graphs = cuda_graphs
         self.instruction = "pick up the red cube and put it in the bowl"
 
     def config(self, mode: str, tasks: list[dict], scheduling: str = "fixed_k", k: int = 1,
@@ -146,7 +148,8 @@ class Bench:
             "kv_budget_bytes": self.budget, "camera_slots": list(self.robot.camera_slots),
             "action": {"prompt_template": ACTION_PROMPT, "control_period_s": period,
                        "num_denoise_steps": 10},
-            "language_tasks": tasks, "max_batch_size": 256, "max_waiting": 256})
+            "language_tasks": tasks, "max_batch_size": 256, "max_waiting": 256,
+            "cuda_graphs": self.cuda_graphs})
 
     def run(self, config: EngineConfig, warmup: int | None = None, drain: int = 0) -> dict:
         """Warm up, run the measured frames; :meth:`Session.summary` of them, plus, with ``drain``
@@ -208,7 +211,7 @@ def memory(n: int) -> dict:
 
 
 def batch_scaling(model, processor, robot, budget: int, batch: int, repeats: int,
-                  shared_prefix: bool = True) -> dict:
+                  shared_prefix: bool = True, cuda_graphs: bool = True) -> dict:
     """Median seconds of one decode step for 1 and for ``batch`` requests over paged KV
     (``repeats`` steps of each, alternating).
 
@@ -220,7 +223,7 @@ def batch_scaling(model, processor, robot, budget: int, batch: int, repeats: int
     pool = BlockPool(cfg.vlm_num_layers, cfg.num_kv_heads, cfg.head_dim, 16, budget,
                      dtype=model.dtype, device=model.device)
     manager = KVCacheManager(pool)
-    runner = ModelRunner(model, processor, manager)
+    runner = ModelRunner(model, processor, manager, cuda_graphs)
     roots = []
     for obs in _observations(robot, 1 if shared_prefix else batch, 99, "describe the scene"):
         features = runner.encode(list(obs.images.values()))
@@ -267,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None,
                         help="PaliGemma SentencePiece model for full presets, or 'tiny' for the offline "
                              "tiny tokenizer over the preset's vocabulary (timing with random weights)")
+    parser.add_argument("--eager", action="store_true",
+                        help="no CUDA graphs (default on CUDA: vision and denoise replayed from graphs)")
     parser.add_argument("--out", default="bench-results/engine_bench.json")
     args = parser.parse_args(argv)
     if min(args.frames, args.rounds, args.deadline_frames, *args.n, *args.k) < 1:
@@ -293,12 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     robot = get_robot(args.robot)
     processor = ModelProcessor(Processor(model.config, robot, tokenizer))
     bench = Bench(model, processor, robot, args.frames, args.warmup,
-                  int(args.kv_budget_mib * 2**20))
+                  int(args.kv_budget_mib * 2**20), not args.eager)
     horizon = model.config.action_horizon
     results: dict = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                                  "torch": torch.__version__, "threads": torch.get_num_threads(),
                                  "device": args.device, "device_name": _device_name(model.device)},
                      "tokenizer": args.tokenizer or "preset",
+                     "cuda_graphs": not args.eager and model.device.type == "cuda",
                      "preset": args.preset, "dtype": args.dtype, "robot": args.robot,
                      "frames": args.frames, "horizon": horizon, "args": vars(args), "rows": []}
     out = Path(args.out)
@@ -379,9 +385,11 @@ def main(argv: list[str] | None = None) -> int:
                            "unified_mean_decode_steps": dl["mean_decode_steps_per_frame"],
                            "summary": dl}
 
-    results["batch_scaling"] = batch_scaling(model, processor, robot, bench.budget, 30, repeats=15)
+    graphs = not args.eager
+    results["batch_scaling"] = batch_scaling(model, processor, robot, bench.budget, 30, repeats=15,
+                                             cuda_graphs=graphs)
     results["batch_scaling_cross_frame"] = batch_scaling(model, processor, robot, bench.budget, 30,
-                                                         repeats=15, shared_prefix=False)
+                                                         repeats=15, shared_prefix=False, cuda_graphs=graphs)
     results["costs_s"] = {"P": p_cost, "V": v_cost, "D": d_cost_denoise, "d": d_cost}
     results["costs_s_per_group"] = {**{f"N={n}": g for n, g in zip(args.n, groups)}, "two-task": c2}
     results["paper"] = {"best": PAPER_BEST, "k5": PAPER_K5, "gpu": "RTX 4090"}
@@ -433,7 +441,8 @@ def _print(results: dict) -> None:
     print(f"preset {results['preset']} ({results['dtype']}), robot {results['robot']}, "
           f"{results['frames']} frames/setting, H={results['horizon']}, "
           f"{results['machine']['threads']} threads on {results['machine']['device']} "
-          f"({results['machine']['device_name']}), tokenizer {results['tokenizer']}")
+          f"({results['machine']['device_name']}), tokenizer {results['tokenizer']}"
+          f"{', CUDA graphs (vision, denoise)' if results.get('cuda_graphs') else ''}")
     print(f"P = {1e3 * c['P']:.1f} ms (vision {1e3 * c['V']:.1f}), D = {1e3 * c['D']:.1f} ms, "
           f"d = {1e3 * c['d']:.2f} ms")
     print("frame ms / act Hz / speedup: per-frame medians (means in the JSON)")

@@ -36,10 +36,12 @@ def _median_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
 
 
 def bench_preset(preset: str, device: str, dtype: str, cameras: int, prompt_len: int, steps: int,
-                 decode_batch: int, warmup: int, repeats: int) -> dict[str, float]:
+                 decode_batch: int, warmup: int, repeats: int, cuda_graphs: bool = True) -> dict[str, float]:
     """Median latencies (ms) of one preset: ``vision``, ``prefill``, ``denoise``, ``cycle`` (all three
-    for one observation) and ``decode_step`` (a batch of ``decode_batch`` requests)."""
+    for one observation) and ``decode_step`` (a batch of ``decode_batch`` requests). ``cuda_graphs``:
+    vision and denoise replayed from CUDA graphs on a CUDA device (captured during the warm-up)."""
     model = load_model(preset, dtype=dtype, device=device)
+    model.enable_cuda_graphs(cuda_graphs)
     c, dev = model.config, model.device
     gen = torch.Generator(device=dev).manual_seed(0)
     pixels = torch.rand(cameras, 3, c.image_size, c.image_size, generator=gen, device=dev) * 2 - 1
@@ -104,15 +106,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--eager", action="store_true",
+                        help="no CUDA graphs (default on CUDA: vision and denoise replayed from graphs)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"device={args.device} dtype={args.dtype} cameras={args.cameras} prompt={args.prompt_len} "
-          f"S={args.steps} decode_batch={args.decode_batch} threads={torch.get_num_threads()}")
+          f"S={args.steps} decode_batch={args.decode_batch} threads={torch.get_num_threads()}"
+          f"{' eager' if args.eager or args.device == 'cpu' else ' cuda_graphs'}")
     print(f"{'preset':<12}{'vision':>10}{'prefill':>10}{'denoise':>10}{'cycle':>10}{'decode':>10}   (ms, median)")
     for preset in args.presets:
         r = bench_preset(preset, args.device, args.dtype, args.cameras, args.prompt_len, args.steps,
-                         args.decode_batch, args.warmup, args.repeats)
+                         args.decode_batch, args.warmup, args.repeats, not args.eager)
         print(f"{preset:<12}{r['vision']:>10.1f}{r['prefill']:>10.1f}{r['denoise']:>10.1f}{r['cycle']:>10.1f}"
               f"{r['decode_step']:>10.2f}")
 

@@ -214,6 +214,9 @@ class EngineConfig:
         slack_margin_s: seconds kept free before the deadline (timer jitter, event handling).
         metrics_window: most recent cycles and requests the metrics keep for percentiles (counters
             are running totals, so memory stays flat on a long run).
+        cuda_graphs: on a CUDA device, replay the vision tower and the denoising loop from CUDA
+            graphs (``VLAModel.enable_cuda_graphs``): eager launches of their thousands of small
+            kernels dominate their time on a fast GPU. Ignored on the CPU.
     """
 
     mode: str = "unified"
@@ -231,6 +234,7 @@ class EngineConfig:
     step_cost_window: int = 32
     slack_margin_s: float = 0.002
     metrics_window: int = 1000
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -93,7 +93,7 @@ class Engine:
                                config.block_size, config.kv_budget_bytes, dtype=model.dtype,
                                device=model.device)
         self._manager = KVCacheManager(self._pool)
-        self._runner = ModelRunner(model, processor, self._manager)
+        self._runner = ModelRunner(model, processor, self._manager, config.cuda_graphs)
         self._processor = processor
         self._model_cfg = cfg
         self._max_prompt_tokens = getattr(cfg, "max_token_len", None)

@@ -9,7 +9,8 @@ The model interface (``oxygen_ros/models``): ``dtype``, ``device`` and ``config`
 ``action_dim``; ``encode_images(pixels [N,3,224,224]) -> [N, num_image_tokens, W]``;
 ``embed_tokens(ids [B,T]) -> [B,T,W]``;
 ``prefill(embeds, kv, bidirectional_lens, need_logits, return_hidden) -> logits | (logits, pooled)``;
-``denoise(kv, noise, num_steps, state)``; ``decode_step(token_ids, kv) -> logits [B,V]``.
+``denoise(kv, noise, num_steps, state)``; ``decode_step(token_ids, kv) -> logits [B,V]``; optionally
+``enable_cuda_graphs(enabled)`` and ``cuda_graphs`` (None when off).
 """
 
 from __future__ import annotations
@@ -80,14 +81,19 @@ class ModelRunner:
         model: the VLA (see module docstring for the interface).
         processor: its :class:`Processor`.
         manager: KV-cache manager of the engine's pool.
+        cuda_graphs: on a CUDA device, switch the model's CUDA graphs on (True) or off (False) if
+            it has them; the setting belongs to the model, so it holds for every runner that shares it.
     """
 
-    def __init__(self, model: Any, processor: Processor, manager: KVCacheManager):
+    def __init__(self, model: Any, processor: Processor, manager: KVCacheManager, cuda_graphs: bool = True):
         self.model = model
         self.processor = processor
         self.manager = manager
         self.counters = WorkCounters()
         self.device = manager.pool.k[0].device
+        if self.device.type == "cuda" and hasattr(model, "enable_cuda_graphs"):
+            if cuda_graphs != (model.cuda_graphs is not None):
+                model.enable_cuda_graphs(cuda_graphs)
 
     @torch.inference_mode()
     def encode(self, images: Sequence[np.ndarray]) -> torch.Tensor:

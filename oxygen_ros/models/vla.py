@@ -32,6 +32,7 @@ from torch import nn
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from .config import VLAConfig
+from .cuda_graphs import GraphCache, round_up
 from .gemma import (AdaRMSNorm, GemmaStack, RMSNorm, apply_rope, attention, rope_cos_sin,
                     rope_inverse_frequencies)
 from .kv_cache import KVCacheView
@@ -119,6 +120,8 @@ class VLAModel(nn.Module):
             self.action_time_mlp_out = nn.Linear(c.expert_width, c.expert_width)
         self.register_buffer("rope_inv_freq", rope_inverse_frequencies(c.head_dim, c.rope_theta), persistent=False)
         self._embed_scale = math.sqrt(c.vlm_width)
+        self._graphs: GraphCache | None = None
+        self._prefix_bucket = 64
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -145,6 +148,34 @@ class VLAModel(nn.Module):
                 module.float()
         self.rope_inv_freq = self.rope_inv_freq.float()
         return self
+
+    def enable_cuda_graphs(self, enabled: bool = True, prefix_bucket: int = 64, max_graphs: int = 16) -> None:
+        """Replay :meth:`denoise` and :meth:`encode_images` from CUDA graphs on a CUDA device.
+
+        Each distinct shape (images per vision call; batch, prefix-length bucket, horizon, steps per
+        denoise) is captured on its first call (one eager run plus the capture, ~2x one call) and
+        replayed afterwards with one launch (:mod:`oxygen_ros.models.cuda_graphs`). Results equal the
+        eager path's up to kernel summation order. No effect on the CPU. Capturing allocates the
+        graphs' static buffers and working memory in one private pool; weights must not be replaced
+        afterwards (call again to drop the graphs after loading new weights).
+
+        Args:
+            enabled: False drops every graph and runs eagerly.
+            prefix_bucket: denoise prefixes are padded (masked) up to a multiple of this many tokens.
+            max_graphs: most graphs kept, least recently used dropped first.
+
+        Raises:
+            ValueError: ``prefix_bucket`` or ``max_graphs`` < 1.
+        """
+        if prefix_bucket < 1:
+            raise ValueError(f"prefix_bucket must be >= 1, got {prefix_bucket}")
+        self._graphs = GraphCache(max_graphs) if enabled else None
+        self._prefix_bucket = prefix_bucket
+
+    @property
+    def cuda_graphs(self) -> GraphCache | None:
+        """The graph cache (capture and replay counters) when enabled, else None."""
+        return self._graphs
 
     def reset_buffers(self) -> None:
         """Recompute the non-persistent buffers (RoPE frequencies, SigLIP position ids), e.g. after
@@ -193,8 +224,16 @@ class VLAModel(nn.Module):
         c = self.config
         if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (3, c.image_size, c.image_size):
             raise ValueError(f"pixels must be [N, 3, {c.image_size}, {c.image_size}], got {tuple(pixels.shape)}")
-        features = self.vision_tower(pixel_values=pixels.to(self.device, self.dtype)).last_hidden_state
-        return self.projector(features)
+        pixels = pixels.to(self.device, self.dtype)
+        if self._graphs is not None and self.device.type == "cuda":
+            call = self._graphs.get(("vision", pixels.shape[0]), self._encode, [pixels])
+            if call is not None:
+                call.inputs[0].copy_(pixels)
+                return call.replay().clone()
+        return self._encode(pixels)
+
+    def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.vision_tower(pixel_values=pixels).last_hidden_state)
 
     @torch.inference_mode()
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -395,7 +434,8 @@ class VLAModel(nn.Module):
         Euler from t = 1 to 0, ``x ← x + dt · v(x, t)`` with ``dt = -1/S`` for a fixed ``S`` steps
         (pi05-facts.md). Action tokens sit at positions ``cached_lens + [0..H-1]`` (π0: the state
         token at ``cached_lens``, actions after it) and attend to every valid prefix token and to each
-        other. The prefix K/V of all layers is read once, before the loop.
+        other. The prefix K/V of all layers is read once, before the loop. With
+        :meth:`enable_cuda_graphs` on a CUDA device the loop is replayed from a CUDA graph.
 
         Args:
             kv: read-only view of the prefix (``new_lens`` all 0).
@@ -420,8 +460,6 @@ class VLAModel(nn.Module):
             raise ValueError(f"noise must be [B={batch}, H, {c.action_dim}], got {tuple(noise.shape)}")
         b, horizon = noise.shape[:2]
         self._check_state(state, b)
-        dt = -1.0 / steps
-        times = 1.0 + dt * torch.arange(steps, dtype=torch.float32, device=self.device)
         prefix_k, prefix_v, prefix_valid = [], [], None
         for i in range(c.vlm_num_layers):
             k, v, valid = kv.read(i)
@@ -429,6 +467,63 @@ class VLAModel(nn.Module):
             prefix_v.append(v.to(self.device, self.dtype))
             prefix_valid = valid.to(self.device) if prefix_valid is None else prefix_valid
         cached_lens = kv.cached_lens.to(self.device)
+        noise = noise.to(self.device, torch.float32)
+        state = None if state is None else state.to(self.device, self.dtype)
+        if self._graphs is not None and self.device.type == "cuda":
+            return self._denoise_graphed(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
+        return self._denoise_loop(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
+
+    def _denoise_graphed(self, prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state):
+        """:meth:`_denoise_loop` replayed from a CUDA graph of the prefix length's bucket.
+
+        The prefix is padded with invalid (masked) tokens up to a multiple of ``prefix_bucket``;
+        masked keys get zero weight, so the result is the unpadded loop's up to summation order.
+        """
+        layers = len(prefix_k)
+        length = prefix_valid.shape[1]
+        bucket = round_up(max(length, 1), self._prefix_bucket)
+        pad = bucket - length
+
+        def padded(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat((x, x.new_zeros((x.shape[0], pad, *x.shape[2:]))), dim=1) if pad else x
+
+        inputs = [padded(k) for k in prefix_k] + [padded(v) for v in prefix_v]
+        inputs += [padded(prefix_valid), cached_lens, noise] + ([] if state is None else [state])
+
+        def loop(*flat: torch.Tensor) -> torch.Tensor:
+            return self._denoise_loop(list(flat[:layers]), list(flat[layers:2 * layers]), flat[2 * layers],
+                                      flat[2 * layers + 1], flat[2 * layers + 2], steps,
+                                      flat[2 * layers + 3] if state is not None else None)
+
+        key = ("denoise", noise.shape[0], bucket, noise.shape[1], steps, state is not None)
+        call = self._graphs.get(key, loop, inputs)
+        if call is None:
+            return loop(*inputs)
+        for buffer, value in zip(call.inputs, inputs):
+            buffer.copy_(value)
+        return call.replay().clone()
+
+    def _denoise_loop(self, prefix_k: list[torch.Tensor], prefix_v: list[torch.Tensor],
+                      prefix_valid: torch.Tensor, cached_lens: torch.Tensor, noise: torch.Tensor,
+                      steps: int, state: torch.Tensor | None) -> torch.Tensor:
+        """The Euler loop of :meth:`denoise` over prefix K/V already on the device.
+
+        Args:
+            prefix_k, prefix_v: per VLM layer ``[B, Lp, kv_heads, head_dim]`` in the model dtype.
+            prefix_valid: bool ``[B, Lp]`` (False = padding, masked out).
+            cached_lens: int64 ``[B]``, each row's prefix length (positions of the action tokens).
+            noise: fp32 ``[B, H, action_dim]``.
+            steps: S.
+            state: π0's ``[B, action_dim]`` in the model dtype, else None.
+
+        Returns:
+            fp32 ``[B, H, action_dim]``. Pure tensor code with no host synchronisation, so that
+            :meth:`_denoise_graphed` can capture it.
+        """
+        c = self.config
+        b, horizon = noise.shape[:2]
+        dt = -1.0 / steps
+        times = 1.0 + dt * torch.arange(steps, dtype=torch.float32, device=self.device)
         offset = 0
         if c.variant == "pi0":
             prefix_k, prefix_v, prefix_valid = self._state_token_kv(state, prefix_k, prefix_v, prefix_valid,
@@ -442,7 +537,7 @@ class VLAModel(nn.Module):
         positions = cached_lens[:, None] + offset + torch.arange(horizon, device=self.device)[None, :]
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.dtype)
         conditioning = self._time_conditioning(times)
-        x = noise.to(self.device, torch.float32)
+        x = noise
         for step in range(steps):
             tokens = self._action_tokens(x, conditioning, step)
             for i, layer in enumerate(self.expert.layers):
