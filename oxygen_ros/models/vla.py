@@ -33,7 +33,7 @@ from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from .config import VLAConfig
 from .cuda_graphs import GraphCache, round_up
-from .gemma import (AdaRMSNorm, GemmaStack, RMSNorm, apply_rope, attention, rope_cos_sin,
+from .gemma import (AdaRMSNorm, AttentionMask, GemmaStack, RMSNorm, apply_rope, attention, rope_cos_sin,
                     rope_inverse_frequencies)
 from .kv_cache import KVCacheView
 
@@ -382,7 +382,7 @@ class VLAModel(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             keys, values = kv.attend(i, k, v)
             if mask is None:
-                mask = self._cached_mask(cached, new_lens, new_mask, keys.shape[1])
+                mask = AttentionMask(self._cached_mask(cached, new_lens, new_mask, keys.shape[1]))
             x = layer.finish(x, attention(q, keys, values, mask, kv.shared_prefix_len), None)
         return x
 
@@ -532,8 +532,8 @@ class VLAModel(nn.Module):
         prefix_len = prefix_k[0].shape[1]
         keys = [torch.cat((k, k.new_zeros(b, horizon, *k.shape[2:])), dim=1) for k in prefix_k]
         values = [torch.cat((v, v.new_zeros(b, horizon, *v.shape[2:])), dim=1) for v in prefix_v]
-        mask = torch.cat((prefix_valid[:, None, :].expand(b, horizon, prefix_len),
-                          torch.ones(b, horizon, horizon, dtype=torch.bool, device=self.device)), dim=2)
+        mask = AttentionMask(torch.cat((prefix_valid[:, None, :].expand(b, horizon, prefix_len),
+                                        torch.ones(b, horizon, horizon, dtype=torch.bool, device=self.device)), dim=2))
         positions = cached_lens[:, None] + offset + torch.arange(horizon, device=self.device)[None, :]
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.dtype)
         conditioning = self._time_conditioning(times)
@@ -633,7 +633,7 @@ class VLAModel(nn.Module):
         valid = torch.cat((prefix_valid.to(self.device), ones), dim=1)
         starts = torch.cat((prefix_start.to(self.device),
                             ones if suffix is None else suffix_start.to(self.device).expand(b, q_len)), dim=1)
-        mask = block_mask(valid, starts)
+        mask = AttentionMask(block_mask(valid, starts))
         positions = torch.cumsum(valid.to(torch.long), dim=1) - 1
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.dtype)
         xp = prefix.to(self.device, self.dtype)
