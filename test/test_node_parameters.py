@@ -94,6 +94,16 @@ def test_camera_slots_reach_the_model_in_its_order_by_name(ros_context):
         node.destroy_node()
 
 
+def test_cuda_graphs_parameter_reaches_the_engine(ros_context):
+    for value in (True, False):
+        node, ok = _configure(ros_context, cuda_graphs=value)
+        try:
+            assert ok, node.configure_error
+            assert node.engine.config.cuda_graphs is value
+        finally:
+            node.destroy_node()
+
+
 def test_kv_budget_failure_names_the_node_parameter(ros_context):
     node, ok = _configure(ros_context, **{"engine.kv_budget_mb": 1})
     try:

@@ -48,7 +48,7 @@ def engine_config(settings: NodeSettings, variant: str) -> EngineConfig:
         "camera_slots": list(settings.model_camera_slots),
         "action": {"prompt_template": action_prompt(variant), "control_period_s": settings.control_period_s,
                    "num_denoise_steps": settings.num_denoise_steps},
-        "language_tasks": tasks})
+        "language_tasks": tasks, "cuda_graphs": settings.cuda_graphs})
 
 
 def build_engine(settings: NodeSettings) -> Engine:

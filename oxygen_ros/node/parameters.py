@@ -51,6 +51,8 @@ _DECLARATIONS: dict[str, tuple] = {
     "norm_mode": ("quantile", "state/action normalisation: quantile (pi0.5) or mean_std (pi0)", {}, True),
     "device": ("cpu", "torch device, e.g. cpu, cuda, cuda:0", {}, True),
     "dtype": ("float32", "weight dtype: float32 or bfloat16", {}, True),
+    "cuda_graphs": (True, "on a CUDA device, replay the vision tower and the denoising loop from CUDA graphs "
+                    "(captured on first use; false = eager PyTorch)", {}, True),
     "seed": (0, "seed of the random weights when no checkpoint is given", {"integer_range": _int_range(0, 2**31 - 1)},
              True),
     # ---- robot
@@ -155,6 +157,7 @@ class NodeSettings:
     norm_mode: str
     device: str
     dtype: str
+    cuda_graphs: bool
     seed: int
     joint_names: tuple[str, ...]
     action_dim: int
@@ -280,7 +283,8 @@ def read_settings(node: Node) -> NodeSettings:
         tokenizer_path=v["tokenizer_path"],
         norm_stats_path=v["norm_stats_path"],
         norm_mode=_choice("norm_mode", v["norm_mode"], ("quantile", "mean_std")),
-        device=v["device"], dtype=_choice("dtype", v["dtype"], ("float32", "bfloat16")), seed=int(v["seed"]),
+        device=v["device"], dtype=_choice("dtype", v["dtype"], ("float32", "bfloat16")),
+        cuda_graphs=bool(v["cuda_graphs"]), seed=int(v["seed"]),
         joint_names=joint_names, action_dim=action_dim,
         action_dt_s=float(v["action_dt_s"]), action_names=action_names, cameras=cameras,
         instruction_topic=v["instruction_topic"], default_instruction=v["default_instruction"],
