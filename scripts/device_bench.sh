@@ -12,9 +12,11 @@
 # empty: none; needs pytest). Writes the test log, the engine table (text + JSON, the JSON updated
 # after every group) and the model bench (text) under $OUT. Override PRESET, DTYPE, DEVICE, FRAMES,
 # KV_MIB (KV pool budget per engine), ENGINE_ARGS (more engine-bench flags), MODEL_PRESETS (empty: no
-# model bench), TESTS_TIMEOUT, ENGINE_TIMEOUT and MODEL_TIMEOUT (seconds). The README's H200 table came from
-#     OUT=$OUT ENGINE_TIMEOUT=360 ENGINE_ARGS="--n 30" MODEL_PRESETS="pi05" scripts/device_bench.sh
-# (eager PyTorch on an H200 needed about 5 min for N = 30 alone, about 15 min for every N).
+# model bench), TESTS_TIMEOUT, ENGINE_TIMEOUT and MODEL_TIMEOUT (seconds). The README's H200 tables
+# (CUDA graphs on) came from two runs on one machine:
+#     OUT=$OUT ENGINE_TIMEOUT=330 ENGINE_ARGS="--n 30" MODEL_PRESETS="pi05" scripts/device_bench.sh
+#     OUT=$OUT TESTS="" ENGINE_TIMEOUT=330 ENGINE_ARGS="--n 5 10 20" MODEL_PRESETS="" scripts/device_bench.sh
+# (about 4.5 and 4 min of device time; eager PyTorch needed about 5 min for N = 30 alone).
 set -uo pipefail
 OUT=${OUT:-bench-results/gpu}
 PRESET=${PRESET:-pi05}

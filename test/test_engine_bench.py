@@ -44,8 +44,12 @@ def test_engine_bench_smoke(tmp_path, capsys):
 
 
 def test_engine_bench_rejects_bad_arguments_before_building_the_model(tmp_path, capsys):
+    not_a_model = tmp_path / "not_a.model"
+    not_a_model.write_text("not a SentencePiece model")
     for argv in (["--deadline-frames", "0"], ["--horizon", "0"], ["--rounds", "0"],
-                 ["--preset", "pi05", "--tokenizer", str(tmp_path / "missing.model")]):
+                 ["--preset", "pi05", "--tokenizer", str(tmp_path / "missing.model")],
+                 ["--preset", "pi05", "--tokenizer", str(not_a_model)],
+                 ["--preset", "pi05_tiny", "--tokenizer", str(not_a_model)]):
         try:
             engine_bench.main(argv + ["--out", str(tmp_path / "x.json")])
         except SystemExit as exit_:

@@ -177,6 +177,11 @@ def test_config_validation_and_yaml(tmp_path):
                                                      "trigger": {}}]})
     with pytest.raises(ValueError, match="unique"):
         dataclasses.replace(config, language_tasks=config.language_tasks * 2)
+    for bad, where in (({"cuda_graphs": "no"}, "cuda_graphs"),
+                       ({"language_tasks": [{"name": "x", "prompt_template": "{instruction}",
+                                             "trigger": {"on_new_instruction": "false"}}]}, "on_new_instruction")):
+        with pytest.raises(ValueError, match=where):
+            EngineConfig.from_dict(bad)
 
 
 def test_bad_observation_is_a_clear_error(model):

@@ -58,8 +58,11 @@ def test_graph_cache_rejects_bad_sizes_and_rounds_buckets():
     with pytest.raises(ValueError):
         GraphCache(max_graphs=0)
     model = load_model("pi05_tiny", dtype=torch.float32, seed=4)
-    with pytest.raises(ValueError):
-        model.enable_cuda_graphs(prefix_bucket=0)
+    for bad in ({"prefix_bucket": 0}, {"prefix_bucket": 1.5}, {"max_graphs": 0}, {"enabled": "no"},
+                {"enabled": False, "max_graphs": 0}):
+        with pytest.raises(ValueError):
+            model.enable_cuda_graphs(**bad)
+    assert model.cuda_graphs is None
     assert [round_up(n, 64) for n in (1, 64, 65, 600)] == [64, 64, 128, 640]
 
 

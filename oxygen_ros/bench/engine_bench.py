@@ -286,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     # Check the tokenizer before building the model (a full preset takes a while to build).
     if args.tokenizer == "tiny":
         tokenizer = TinyTokenizer(config.vocab_size)
+    elif args.tokenizer is not None and config.tokenizer == "tiny":
+        parser.error(f"--tokenizer: preset {args.preset} uses its built-in tiny tokenizer; drop the option")
     else:
         try:
             tokenizer = load_tokenizer(config, args.tokenizer)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from oxygen_ros.models import DenseKVCache, load_model
+from oxygen_ros.models import PRESETS, DenseKVCache, load_model
 
 
 def _sync(device: torch.device) -> None:
@@ -96,7 +96,7 @@ def bench_preset(preset: str, device: str, dtype: str, cameras: int, prompt_len:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="oxygen-bench-model", description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", nargs="+", default=["pi05_tiny", "pi0_tiny"])
+    parser.add_argument("--presets", nargs="+", default=["pi05_tiny", "pi0_tiny"], choices=sorted(PRESETS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--cameras", type=int, default=2)
@@ -109,11 +109,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eager", action="store_true",
                         help="no CUDA graphs (default on CUDA: vision and denoise replayed from graphs)")
     args = parser.parse_args(argv)
+    if min(args.cameras, args.prompt_len, args.steps, args.decode_batch, args.repeats) < 1:
+        parser.error("--cameras, --prompt-len, --steps, --decode-batch and --repeats must be >= 1")
+    if args.warmup < 0 or args.threads < 0:
+        parser.error("--warmup and --threads must be >= 0")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as error:
+        parser.error(f"--device {args.device}: {error}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch ({torch.__version__}) has no CUDA device")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"device={args.device} dtype={args.dtype} cameras={args.cameras} prompt={args.prompt_len} "
           f"S={args.steps} decode_batch={args.decode_batch} threads={torch.get_num_threads()}"
-          f"{' eager' if args.eager or args.device == 'cpu' else ' cuda_graphs'}")
+          f"{' eager' if args.eager or device.type != 'cuda' else ' cuda_graphs'}")
     print(f"{'preset':<12}{'vision':>10}{'prefill':>10}{'denoise':>10}{'cycle':>10}{'decode':>10}   (ms, median)")
     for preset in args.presets:
         r = bench_preset(preset, args.device, args.dtype, args.cameras, args.prompt_len, args.steps,

@@ -42,6 +42,12 @@ def _check_keys(cls: type, data: Mapping[str, Any], where: str) -> None:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known keys: {sorted(known)}")
 
 
+def _check_bool(value: Any, where: str) -> None:
+    # YAML and hand-written dicts give strings such as "no", which Python would read as true.
+    if not isinstance(value, bool):
+        raise ValueError(f"{where} must be true or false, got {value!r}")
+
+
 @dataclass(frozen=True)
 class TriggerConfig:
     """When a language task starts a new request; any of the conditions fires it.
@@ -59,6 +65,7 @@ class TriggerConfig:
     on_new_instruction: bool = False
 
     def __post_init__(self) -> None:
+        _check_bool(self.on_new_instruction, "trigger.on_new_instruction")
         if self.every_n_frames is not None and self.every_n_frames < 1:
             raise ValueError(f"trigger.every_n_frames must be >= 1, got {self.every_n_frames}")
         if self.every_s is not None and not self.every_s > 0:
@@ -161,6 +168,7 @@ class TaskConfig:
             raise ValueError(f"task {self.name!r}: max_wait_s must be >= 0 s")
         if self.kind not in LANGUAGE_KINDS:
             raise ValueError(f"task {self.name!r}: kind must be one of {LANGUAGE_KINDS}")
+        _check_bool(self.cancel_on_new_instruction, f"task {self.name!r}: cancel_on_new_instruction")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "TaskConfig":
@@ -264,6 +272,7 @@ class EngineConfig:
             raise ValueError("slack_margin_s must be >= 0 s")
         if self.metrics_window < 1:
             raise ValueError(f"metrics_window must be >= 1, got {self.metrics_window}")
+        _check_bool(self.cuda_graphs, "cuda_graphs")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "EngineConfig":

@@ -104,6 +104,7 @@ class PaliGemmaTokenizer:
 
     Raises:
         FileNotFoundError: no such file.
+        ValueError: the file is not a SentencePiece model.
     """
 
     pad_id, eos_id, bos_id = PAD_ID, EOS_ID, BOS_ID
@@ -114,7 +115,10 @@ class PaliGemmaTokenizer:
         path = Path(model_path)
         if not path.is_file():
             raise FileNotFoundError(f"PaliGemma SentencePiece model not found: {path}")
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        except RuntimeError as error:   # sentencepiece reports a malformed model as RuntimeError
+            raise ValueError(f"{path} is not a SentencePiece model: {error}") from error
         self.vocab_size = self._sp.get_piece_size()
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
@@ -130,8 +134,8 @@ def load_tokenizer(config: VLAConfig, tokenizer_path: str | Path | None = None) 
     PaliGemma SentencePiece model at ``tokenizer_path``.
 
     Raises:
-        ValueError: a PaliGemma preset without ``tokenizer_path``, or a tokenizer larger than the model
-            vocabulary.
+        ValueError: a PaliGemma preset without ``tokenizer_path``, a file that is not a SentencePiece
+            model, or a tokenizer larger than the model vocabulary.
         FileNotFoundError: ``tokenizer_path`` does not exist.
     """
     if config.tokenizer == "tiny":

@@ -165,10 +165,13 @@ class VLAModel(nn.Module):
             max_graphs: most graphs kept, least recently used dropped first.
 
         Raises:
-            ValueError: ``prefix_bucket`` or ``max_graphs`` < 1.
+            ValueError: ``enabled`` not a bool, ``prefix_bucket`` or ``max_graphs`` not an int >= 1.
         """
-        if prefix_bucket < 1:
-            raise ValueError(f"prefix_bucket must be >= 1, got {prefix_bucket}")
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enabled must be True or False, got {enabled!r}")
+        for name, value in (("prefix_bucket", prefix_bucket), ("max_graphs", max_graphs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self._graphs = GraphCache(max_graphs) if enabled else None
         self._prefix_bucket = prefix_bucket
 
