@@ -161,6 +161,27 @@ def test_triggers_and_seeded_sampling(model):
     assert runs[0] == runs[1]
 
 
+def test_warm_up_leaves_no_trace(model):
+    """A warmed-up engine then runs exactly like a fresh one: same chunks, same text, same
+    triggers (the first real observation still counts as a new instruction), nothing pooled."""
+    speech_on_instruction = {**SPEECH, "trigger": {"on_new_instruction": True}}
+    warm, fresh = _engine(model, [speech_on_instruction]), _engine(model, [speech_on_instruction])
+    assert warm.warm_up(observation(99)) > 0
+    assert warm.pool.num_used == 0 and warm.pool.peak_used_bytes == 0 and warm.counters.vision_calls == 1
+    assert warm.metrics()["frames"] == 0 and not warm.active_requests
+    events = []
+    for seq in range(3):
+        a, b = warm.run_cycle(observation(seq)), fresh.run_cycle(observation(seq))
+        assert np.array_equal(a.action.actions, b.action.actions)
+        assert [(e.task, e.delta, e.final) for e in a.text_events] == \
+            [(e.task, e.delta, e.final) for e in b.text_events]
+        events += a.text_events
+    assert [e.task for e in events if e.final] == ["speech"]    # fired by the first real instruction
+    warm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        warm.warm_up(observation(5))
+
+
 def test_config_validation_and_yaml(tmp_path):
     path = tmp_path / "engine.yaml"
     path.write_text("mode: shared_prefix\ncamera_slots: [a, b]\nlanguage_tasks:\n"

@@ -1,4 +1,5 @@
-"""Builds the model, its processing and the engine from the node's settings (the ``configure`` step).
+"""Builds the model, its processing and the engine from the node's settings, and warms the engine
+up (the ``configure`` step).
 
 The robot (state and action dimensions, camera slots) comes from the node's parameters; the engine's
 processor is :class:`oxygen_ros.engine.processing.ModelProcessor` over the models package's
@@ -8,7 +9,9 @@ discretisation and prompt building).
 
 from __future__ import annotations
 
-from oxygen_ros.engine import Engine, EngineConfig
+import numpy as np
+
+from oxygen_ros.engine import Engine, EngineConfig, Observation
 from oxygen_ros.engine.processing import ModelProcessor
 from oxygen_ros.models import RobotConfig, load_model, load_norm_stats
 from oxygen_ros.models.processing import ACTION_PROMPT, LANGUAGE_PROMPT, PI0_PROMPT, Processor
@@ -67,3 +70,14 @@ def build_engine(settings: NodeSettings) -> Engine:
     norm_stats = load_norm_stats(settings.norm_stats_path) if settings.norm_stats_path else None
     processor = ModelProcessor(Processor(model.config, robot, tokenizer, norm_stats))
     return Engine(model, processor, engine_config(settings, model.config.variant))
+
+
+def warm_up(engine: Engine, settings: NodeSettings) -> float:
+    """One :meth:`Engine.warm_up` on a synthetic observation shaped like the robot's: a black
+    224 x 224 image in every camera slot, a zero state of ``joint_names``, the default
+    instruction. Returns its seconds (on CUDA: mostly the capture of the CUDA graphs)."""
+    black = np.zeros((224, 224, 3), np.uint8)
+    obs = Observation({camera.slot: black for camera in settings.cameras}, settings.default_instruction,
+                      np.zeros(len(settings.joint_names), np.float32))
+    return engine.warm_up(obs)
+

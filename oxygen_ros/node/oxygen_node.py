@@ -59,7 +59,7 @@ from oxygen_ros.node import conversions
 from oxygen_ros.node.diagnostics import StatusTracker, diagnostic_array, engine_status_msg
 from oxygen_ros.node.image_conversion import ImageConversionError, compressed_to_rgb, image_to_rgb
 from oxygen_ros.node.inputs import DropCounter, Frame, InputError, InputStore, is_zero
-from oxygen_ros.node.model_loading import build_engine
+from oxygen_ros.node.model_loading import build_engine, warm_up
 from oxygen_ros.node.parameters import CameraSettings, NodeSettings, declare_parameters, read_settings
 
 _INSTRUCTION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.RELIABLE,
@@ -174,6 +174,7 @@ class OxygenNode(LifecycleNode):
         try:
             settings = read_settings(self)
             engine = build_engine(settings)
+            warm_s = warm_up(engine, settings)
         except Exception as error:  # any load failure: report it, keep nothing
             self._configure_error = _node_terms(f"{type(error).__name__}: {error}")
             self.get_logger().error(f"configure failed: {self._configure_error}")
@@ -190,7 +191,8 @@ class OxygenNode(LifecycleNode):
         self._lifecycle_state = "inactive"
         pool = engine.pool
         self.get_logger().info(
-            f"configured {settings.model_id} in {time.perf_counter() - start:.1f} s: KV pool "
+            f"configured {settings.model_id} in {time.perf_counter() - start:.1f} s (warm-up cycle "
+            f"{warm_s:.2f} s): KV pool "
             f"{pool.num_blocks} pages x {pool.bytes_per_block} B, cameras "
             f"{[c.slot for c in settings.cameras]}, control rate {settings.control_rate_hz:g} Hz")
         return TransitionCallbackReturn.SUCCESS
