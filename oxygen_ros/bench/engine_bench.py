@@ -387,11 +387,11 @@ def main(argv: list[str] | None = None) -> int:
                            "unified_mean_decode_steps": dl["mean_decode_steps_per_frame"],
                            "summary": dl}
 
-    graphs = not args.eager
     results["batch_scaling"] = batch_scaling(model, processor, robot, bench.budget, 30, repeats=15,
-                                             cuda_graphs=graphs)
+                                             cuda_graphs=bench.cuda_graphs)
     results["batch_scaling_cross_frame"] = batch_scaling(model, processor, robot, bench.budget, 30,
-                                                         repeats=15, shared_prefix=False, cuda_graphs=graphs)
+                                                         repeats=15, shared_prefix=False,
+                                                         cuda_graphs=bench.cuda_graphs)
     results["costs_s"] = {"P": p_cost, "V": v_cost, "D": d_cost_denoise, "d": d_cost}
     results["costs_s_per_group"] = {**{f"N={n}": g for n, g in zip(args.n, groups)}, "two-task": c2}
     results["paper"] = {"best": PAPER_BEST, "k5": PAPER_K5, "gpu": "RTX 4090"}

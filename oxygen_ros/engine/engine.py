@@ -35,7 +35,7 @@ import torch
 from oxygen_ros.engine.block_pool import BlockPool
 from oxygen_ros.engine.config import EngineConfig, TaskConfig
 from oxygen_ros.engine.kv_cache_manager import KVCacheManager
-from oxygen_ros.engine.metrics import CycleRecord, EngineMetrics, RequestRecord
+from oxygen_ros.engine.metrics import PHASES, CycleRecord, EngineMetrics, RequestRecord
 from oxygen_ros.engine.model_runner import ModelRunner, PrefillRow, Processor, WorkCounters
 from oxygen_ros.engine.prefix_cache import PrefixCache, PrefixNode
 from oxygen_ros.engine.request import Request, sample_tokens
@@ -117,7 +117,7 @@ class Engine:
         self._pending_cancels: list[Callable[[], None]] = []
         self._cancel_lock = threading.Lock()
         self._closed = False
-        self._timing = {"encode_s": 0.0, "prefill_s": 0.0, "denoise_s": 0.0, "decode_s": 0.0}
+        self._timing = dict.fromkeys(PHASES, 0.0)
         self._cycle_batches: list[int] = []
         self._cycle_tokens = 0
         self._cycle_peak_blocks = 0
@@ -188,7 +188,7 @@ class Engine:
             t0 = time.perf_counter()
             saved = (self._timing, copy.deepcopy(self._estimator), self._pool.peak_used_blocks,
                      self._cycle_peak_blocks)
-            self._timing = {"encode_s": 0.0, "prefill_s": 0.0, "denoise_s": 0.0, "decode_s": 0.0}
+            self._timing = dict.fromkeys(PHASES, 0.0)
             try:
                 images, mask = self._camera_images(obs)
                 action_ids = self._prompt_ids(self.config.action.prompt_template, obs)
@@ -278,7 +278,7 @@ class Engine:
         t0 = time.perf_counter()
         deadline = t0 + self.config.action.control_period_s if deadline is None else deadline
         before = WorkCounters(**vars(self._runner.counters))
-        timing = {"encode_s": 0.0, "prefill_s": 0.0, "denoise_s": 0.0, "decode_s": 0.0}
+        timing = dict.fromkeys(PHASES, 0.0)
         self._timing = timing
         self._apply_cancels()
 

@@ -20,6 +20,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 
+# Per-cycle phase timings (seconds), the keys of CycleRecord's phase fields.
+PHASES = ("encode_s", "prefill_s", "denoise_s", "decode_s")
+
+
 @dataclass
 class CycleRecord:
     """Measurements of one control cycle (times in s)."""
@@ -80,8 +84,6 @@ class EngineMetrics:
         ValueError: window < 1.
     """
 
-    _PHASES = ("encode_s", "prefill_s", "denoise_s", "decode_s")
-
     def __init__(self, action_horizon: int, pool_capacity_bytes: int, window: int = 1000):
         if window < 1:
             raise ValueError(f"metrics window must be >= 1, got {window}")
@@ -105,7 +107,7 @@ class EngineMetrics:
         self._steps = 0
         self._batch_sum = 0
         self._max_batch = 0
-        self._phase_s = dict.fromkeys(self._PHASES, 0.0)
+        self._phase_s = dict.fromkeys(PHASES, 0.0)
         self._vision_calls = 0
         self._prefilled_tokens = 0
         self._statuses: dict[str, int] = {}
@@ -121,7 +123,7 @@ class EngineMetrics:
         self._steps += len(record.batch_sizes)
         self._batch_sum += sum(record.batch_sizes)
         self._max_batch = max(self._max_batch, max(record.batch_sizes, default=0))
-        for phase in self._PHASES:
+        for phase in PHASES:
             self._phase_s[phase] += getattr(record, phase)
         self._vision_calls += record.vision_calls
         self._prefilled_tokens += record.prefilled_tokens
@@ -166,7 +168,7 @@ class EngineMetrics:
             "mean_decode_steps_per_frame": per_frame(self._steps),
             "phase_mean_s": {k: per_frame(v) for k, v in self._phase_s.items()},
             "phase_p50_s": {k: percentiles([getattr(c, k) for c in self.cycles])["p50"]
-                            for k in self._PHASES},
+                            for k in PHASES},
             "vision_calls_per_frame": per_frame(self._vision_calls),
             "prefilled_tokens_per_frame": per_frame(self._prefilled_tokens),
             "ttft_s": percentiles([r.ttft_s for r in self.requests if r.ttft_s is not None]),
