@@ -20,7 +20,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["oxygen_ros", "oxygen_ros.models*", "oxygen_ros.engine*", "oxygen_ros.bench*"]),
-    package_data={"oxygen_ros.models": ["*.yaml", "*.json"]},
+    package_data={"oxygen_ros.models": ["*.yaml", "*.json", "csrc/*.cpp"]},
     # torch without the pin's local label (+cpu): a CUDA build of the same release serves as well.
     install_requires=[r.split("+")[0]
                       for r in _requirements("requirements/torch.txt") + _requirements("requirements/python.txt")

@@ -15,6 +15,7 @@ def test_wheel_holds_the_ros_free_library_and_its_console_scripts(tmp_path):
     (wheel,) = tmp_path.glob("oxygen_ros-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "oxygen_ros/models/kv_cache.py" in names
+    assert "oxygen_ros/models/csrc/decode_attention.cpp" in names   # built on first use (native.py)
     assert any(n.startswith("oxygen_ros/engine/") for n in names)
     assert not any(n.startswith("oxygen_ros/node/") for n in names), "the rclpy node must not be in the pip wheel"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))

@@ -17,9 +17,13 @@ tokens of two experts (MoT), or over cached keys and values.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from oxygen_ros.models import native
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,11 +96,69 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+# Row count for which the prepacked copies of :class:`Linear` weights are laid out (oneDNN picks the
+# blocking for it; other row counts run on the same copy). Measured on 2 x86 cores (fp32, the
+# pi05_tiny layer shapes): packed for 32 rows, a set of projections took 0.5-0.6x of ``F.linear``'s
+# (MKL) time at 9-64 rows and 0.7x at 571 (a prefill); packed for 1 row, no gain above 9 rows.
+PACK_ROWS_HINT = 32
+_PACKING = {"enabled": True, "available": None}
+_LOG = logging.getLogger(__name__)
+
+
+def use_packed_weights(enabled: bool) -> None:
+    """Turn the prepacked CPU weights of :class:`Linear` on or off for this process (A/B
+    measurements). Raises TypeError on a non-bool."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _PACKING["enabled"] = enabled
+
+
+def _packing_available() -> bool:
+    if _PACKING["available"] is None:
+        ops = torch.ops.mkldnn
+        _PACKING["available"] = bool(torch.backends.mkldnn.is_available()) and all(
+            hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))
+    return bool(_PACKING["available"])
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and state-dict keys) whose forward is :func:`linear`."""
+    """``nn.Linear`` (same parameters and state-dict keys) whose forward is :func:`linear`, except
+    for fp32 inputs of more than :data:`SMALL_M_ROWS` rows on the CPU without autograd (prefill,
+    denoising, decode steps of 9 or more requests): those use a copy of the weight prepacked for
+    oneDNN (``torch.ops.mkldnn``, the kernels torch's own compiler emits for frozen CPU linears),
+    made on first use and remade when the weight changes. It costs one more copy of the weight
+    in memory; :func:`use_packed_weights` turns it off. Values agree with ``F.linear`` up to fp32
+    summation order."""
+
+    _packed: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows > SMALL_M_ROWS and self._packable(x):
+            packed = self._packed_weight()
+            if packed is not None:
+                out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, self.bias,
+                                                         "none", [], "")
+                return out.reshape(*x.shape[:-1], self.out_features)
         return linear(x, self.weight, self.bias)
+
+    def _packable(self, x: torch.Tensor) -> bool:
+        weight = self.weight
+        return (_PACKING["enabled"] and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+                and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+                and _packing_available())
+
+    def _packed_weight(self) -> torch.Tensor | None:
+        weight = self.weight
+        key = (weight.data_ptr(), weight._version)
+        if self._packed is None or self._packed[0] != key:
+            try:
+                self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT))
+            except RuntimeError as error:
+                _LOG.warning("oneDNN weight packing failed, using F.linear: %s", error)
+                _PACKING["available"] = False
+                return None
+        return self._packed[1]
 
 
 class GemmaAttentionProjections(nn.Module):
@@ -267,7 +329,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     queries (a decode step) two batched matmuls with an fp32 softmax between them run faster than
     SDPA's kernel on CPU; otherwise SDPA with an additive mask (its softmax accumulates in fp32).
     Both are exact. In the few-queries case with ``shared_prefix`` P > 0 and B > 1, the prefix is
-    attended once for the queries of all rows (cascade attention, :func:`_cascade_attention`).
+    attended once for the queries of all rows (cascade attention, :func:`_cascade_attention`);
+    without one, fp32 on an x86 CPU with AVX-512 runs the native kernel instead of the matmuls
+    (:func:`oxygen_ros.models.native.decode_attention`: one pass over each row's K and V).
     """
     if not isinstance(mask, AttentionMask):
         mask = AttentionMask(mask)
@@ -277,6 +341,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     q = q.view(b, t, kv_heads, group, hd).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * t, hd)
     if group * t <= FEW_QUERIES and shared_prefix > 0 and b > 1:
         out = _cascade_attention(q * hd ** -0.5, k, v, mask.mask, shared_prefix, t)
+        return out.view(b, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, heads * hd)
+    if group * t <= FEW_QUERIES and _native_decode(q, k, v, group * t):
+        out = native.decode_attention(q * hd ** -0.5, k, v, mask.mask)
         return out.view(b, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, heads * hd)
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     if group * t <= FEW_QUERIES:
@@ -293,6 +360,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.additive(group, q.dtype))
     return out.view(b, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, heads * hd)
+
+
+def _native_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: int) -> bool:
+    """Whether :func:`attention` hands a few-queries case to :func:`native.decode_attention`: fp32
+    on a CPU the kernel supports (see :func:`native.supports`), K/V with a contiguous last dim."""
+    return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and native.supports(q.shape[-1], queries))
 
 
 def _cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

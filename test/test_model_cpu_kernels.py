@@ -1,0 +1,172 @@
+"""The CPU fast paths: the native decode attention (oxygen_ros/models/native.py,
+csrc/decode_attention.cpp) and the oneDNN-prepacked weights of gemma.Linear.
+
+Cases that need the kernel skip where it cannot be built or run (no AVX-512, no compiler); the
+fallback tests run everywhere.
+"""
+
+import pytest
+import torch
+
+from oxygen_ros.models import native
+from oxygen_ros.models.config import get_preset
+from oxygen_ros.models import gemma
+from oxygen_ros.models.gemma import AttentionMask, Linear, attention, linear
+from oxygen_ros.models.kv_cache import DenseKVCache
+from oxygen_ros.models.vla import VLAModel
+
+needs_kernel = pytest.mark.skipif(not native.supports(64, 4),
+                                  reason=f"native decode attention unavailable here: {native.status()}")
+
+
+def _naive(q, k, v, mask):
+    """fp64 reference: q [B, T, heads, hd], k/v [B, L, kv, hd], mask [B, T, L] -> [B, T, heads·hd]."""
+    b, t, heads, hd = q.shape
+    group = heads // k.shape[2]
+    k, v = (x.double().repeat_interleave(group, dim=2).transpose(1, 2) for x in (k, v))
+    scores = q.double().transpose(1, 2) @ k.transpose(-1, -2) * hd ** -0.5
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, heads * hd)
+
+
+def _case(batch, tokens, heads, kv_heads, hd, length, seed):
+    """Random q and strided K/V views (rows of a longer buffer, as the decode workspace hands them
+    out) with ragged key lengths and some holes; key 0 always visible."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, tokens, heads, hd, generator=g)
+    k = torch.randn(batch, length + 7, kv_heads, hd, generator=g)[:, :length]
+    v = torch.randn(batch, length + 7, kv_heads, hd, generator=g)[:, :length]
+    lens = torch.randint(1, length + 1, (batch,), generator=g)
+    mask = (torch.arange(length)[None, None, :] < lens[:, None, None]).expand(batch, tokens, length).clone()
+    mask &= torch.rand(batch, tokens, length, generator=g) < 0.9
+    mask[..., 0] = True
+    return q, k, v, mask
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,tokens,hd", [
+    (4, 1, 1, 64),    # pi05_tiny's decode step: 4 folded queries per K/V head
+    (8, 1, 1, 256),   # full-size pi0.5 / pi0: 8 queries, head_dim 256
+    (8, 2, 1, 32),    # several K/V heads
+    (1, 1, 1, 16),    # one query
+    (4, 1, 2, 64),    # two tokens per row (8 folded queries)
+    (4, 1, 4, 48),    # 16 folded queries, head_dim not a power of two
+])
+def test_native_attention_matches_fp64_reference(heads, kv_heads, tokens, hd):
+    for batch, length, seed in ((1, 5, 0), (3, 97, 1), (30, 601, 2)):
+        q, k, v, mask = _case(batch, tokens, heads, kv_heads, hd, length, seed)
+        assert native.supports(hd, heads // kv_heads * tokens)
+        out = attention(q, k, v, AttentionMask(mask))
+        torch.testing.assert_close(out.double(), _naive(q, k, v, mask), atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_native_attention_agrees_with_the_torch_path_and_rows_are_independent():
+    q, k, v, mask = _case(12, 1, 4, 1, 64, 300, 3)
+    fast = attention(q, k, v, mask)
+    native.use(False)
+    try:
+        assert not native.supports(64, 4)
+        plain = attention(q, k, v, mask)
+    finally:
+        native.use(True)
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+    # A row's result does not depend on the other rows of the batch (same padded length).
+    others = _case(5, 1, 4, 1, 64, 300, 4)
+    for row in (0, 5, 11):
+        mixed = [torch.cat([x[row:row + 1], y]) for x, y in zip((q, k, v, mask), others)]
+        assert torch.equal(attention(*mixed)[0], fast[row])
+
+
+@needs_kernel
+def test_native_attention_rejects_bad_input_with_clear_errors():
+    q = torch.randn(2, 1, 4, 64)
+    k = v = torch.randn(2, 10, 1, 64)
+    hidden = torch.zeros(2, 1, 10, dtype=torch.bool)
+    hidden[0, 0, 3] = True
+    with pytest.raises(RuntimeError, match="hides every key"):
+        native.decode_attention(q, k, v, hidden)
+    with pytest.raises(RuntimeError, match="float32"):
+        native.decode_attention(q.double(), k, v, torch.ones(2, 1, 10, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="1, 2, 4, 8 or 16"):
+        native.decode_attention(torch.randn(2, 1, 3, 64), k, v, torch.ones(2, 1, 10, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="k must be"):
+        native.decode_attention(q, torch.randn(2, 10, 1, 32), torch.randn(2, 10, 1, 32),
+                                torch.ones(2, 1, 10, dtype=torch.bool))
+
+
+def test_supports_declines_what_the_kernel_cannot_serve():
+    assert not native.supports(60, 4)        # head_dim not a multiple of 16
+    assert not native.supports(64, 3)        # 3 folded queries
+    native.use(False)
+    try:
+        assert not native.supports(64, 4)
+    finally:
+        native.use(True)
+    with pytest.raises(TypeError):
+        native.use("no")
+
+
+def test_decode_step_logits_are_the_same_with_and_without_the_native_kernel():
+    torch.manual_seed(0)
+    model = VLAModel(get_preset("pi05_tiny"))
+    cfg = model.config
+    embeds = torch.randn(3, 40, cfg.vlm_width)
+    lens = torch.tensor([40, 31, 17])
+    results = []
+    for use in (True, False):
+        native.use(use)
+        try:
+            kv = DenseKVCache(cfg.vlm_num_layers, 3, cfg.num_kv_heads, cfg.head_dim)
+            model.prefill(embeds, kv.begin(lens), lens, need_logits=False)
+            kv.commit()
+            steps = []
+            for token in ([5, 6, 7], [1, 2, 3]):
+                steps.append(model.decode_step(torch.tensor(token), kv.begin(torch.ones(3, dtype=torch.long))))
+                kv.commit()
+            results.append(torch.stack(steps))
+        finally:
+            native.use(True)
+    torch.testing.assert_close(results[0], results[1], atol=1e-4, rtol=1e-5)
+
+
+needs_packing = pytest.mark.skipif(not gemma._packing_available(), reason="no oneDNN linear ops in this torch")
+
+
+@needs_packing
+def test_packed_linear_matches_f_linear_and_follows_weight_changes():
+    torch.manual_seed(0)
+    layer = Linear(96, 40, bias=True)
+    with torch.inference_mode():
+        for rows in (gemma.SMALL_M_ROWS + 1, 30, 571):
+            x = torch.randn(rows, 96)
+            out = layer(x)
+            assert layer._packed is not None            # the packed path served it
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias),
+                                       atol=1e-5, rtol=1e-5)
+        batched = torch.randn(3, 7, 96)                 # leading dims kept
+        assert layer(batched).shape == (3, 7, 40)
+    # A new weight (a checkpoint load) is packed again, not served from the stale copy.
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 96))
+    with torch.inference_mode():
+        x = torch.randn(30, 96)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_linear_keeps_autograd_and_the_switch_turns_packing_off():
+    torch.manual_seed(1)
+    layer = Linear(32, 16, bias=False)
+    x = torch.randn(30, 32, requires_grad=True)
+    layer(x).sum().backward()                           # grad mode: F.linear, gradients flow
+    assert x.grad is not None and layer.weight.grad is not None
+    gemma.use_packed_weights(False)
+    try:
+        with torch.inference_mode():
+            x = torch.randn(30, 32)
+            assert torch.equal(layer(x), linear(x, layer.weight))
+    finally:
+        gemma.use_packed_weights(True)
+    with pytest.raises(TypeError):
+        gemma.use_packed_weights(1)
