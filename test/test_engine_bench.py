@@ -41,6 +41,18 @@ def test_engine_bench_smoke(tmp_path, capsys):
     assert deadline["unified_window_tokens_per_s"] > 0 and deadline["k1_window_tokens_per_s"] > 0
     for key in ("batch_scaling", "batch_scaling_cross_frame"):
         assert results[key]["batch"] == 30 and results[key]["ratio"] > 0
+    assert results["cpu_kernels"].endswith("oneDNN-packed weights")
+
+
+def test_engine_bench_torch_kernels_switch_is_reported_and_undone(tmp_path, capsys):
+    from oxygen_ros.models import gemma, native
+
+    out = tmp_path / "bench.json"
+    assert engine_bench.main(["--frames", "1", "--warmup", "0", "--n", "2", "--k", "1", "--rounds", "1",
+                              "--deadline-frames", "1", "--torch-kernels", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["cpu_kernels"] == "torch paths (--torch-kernels)"
+    assert "torch paths (--torch-kernels)" in capsys.readouterr().out
+    assert native.in_use() and gemma.packed_weights_in_use()     # the process's setting is restored
 
 
 def test_engine_bench_rejects_bad_arguments_before_building_the_model(tmp_path, capsys):

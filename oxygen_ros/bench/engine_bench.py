@@ -37,6 +37,7 @@ stdout and JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -52,7 +53,7 @@ import torch
 from oxygen_ros.engine import BlockPool, CycleResult, Engine, EngineConfig, KVCacheManager, Observation
 from oxygen_ros.engine.model_runner import ModelRunner, PrefillRow
 from oxygen_ros.engine.processing import ModelProcessor
-from oxygen_ros.models import PRESETS, ROBOTS, get_preset, get_robot, load_model, load_tokenizer
+from oxygen_ros.models import PRESETS, ROBOTS, gemma, get_preset, get_robot, load_model, load_tokenizer, native
 from oxygen_ros.models.tokenizer import TinyTokenizer
 from oxygen_ros.models.processing import ACTION_PROMPT, LANGUAGE_PROMPT, Processor
 
@@ -272,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                              "tiny tokenizer over the preset's vocabulary (timing with random weights)")
     parser.add_argument("--eager", action="store_true",
                         help="no CUDA graphs (default on CUDA: vision and denoise replayed from graphs)")
+    parser.add_argument("--torch-kernels", action="store_true",
+                        help="on the CPU: no native decode attention and no oneDNN-prepacked weights "
+                             "(the plain torch / MKL paths, for A/B)")
     parser.add_argument("--out", default="bench-results/engine_bench.json")
     args = parser.parse_args(argv)
     if min(args.frames, args.rounds, args.deadline_frames, *args.n, *args.k) < 1:
@@ -296,6 +300,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    with cpu_kernel_choice(args.torch_kernels):
+        return _run(args, config, tokenizer)
+
+
+@contextlib.contextmanager
+def cpu_kernel_choice(torch_kernels: bool) -> Iterator[None]:
+    """Within the block, the CPU decode attention and linears take the plain torch / MKL paths
+    (``torch_kernels``) or the native kernel and oneDNN-packed weights; restored afterwards."""
+    saved = native.in_use(), gemma.packed_weights_in_use()
+    native.use(not torch_kernels)
+    gemma.use_packed_weights(not torch_kernels)
+    try:
+        yield
+    finally:
+        native.use(saved[0])
+        gemma.use_packed_weights(saved[1])
+
+
+def _run(args: argparse.Namespace, config, tokenizer) -> int:
+    """Every setting of :func:`main` with validated arguments; returns the exit status."""
     model = load_model(config, dtype=args.dtype, device=args.device)
     robot = get_robot(args.robot)
     processor = ModelProcessor(Processor(model.config, robot, tokenizer))
@@ -307,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "device": args.device, "device_name": _device_name(model.device)},
                      "tokenizer": args.tokenizer or "preset",
                      "cuda_graphs": not args.eager and model.device.type == "cuda",
+                     "cpu_kernels": _cpu_kernels(model, args.torch_kernels),
                      "preset": args.preset, "dtype": args.dtype, "robot": args.robot,
                      "frames": args.frames, "horizon": horizon, "args": vars(args), "rows": []}
     out = Path(args.out)
@@ -438,13 +463,25 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _cpu_kernels(model, torch_kernels: bool) -> str | None:
+    """What serves the decode attention and the linears on the CPU (None on other devices)."""
+    if model.device.type != "cpu":
+        return None
+    if torch_kernels:
+        return "torch paths (--torch-kernels)"
+    attention = ("native decode attention" if native.supports(model.config.head_dim, model.config.num_heads // model.config.num_kv_heads)
+                 else f"torch decode attention (native {native.status()})")
+    return f"{attention}, oneDNN-packed weights"
+
+
 def _print(results: dict) -> None:
     c = results["costs_s"]
     print(f"preset {results['preset']} ({results['dtype']}), robot {results['robot']}, "
           f"{results['frames']} frames/setting, H={results['horizon']}, "
           f"{results['machine']['threads']} threads on {results['machine']['device']} "
           f"({results['machine']['device_name']}), tokenizer {results['tokenizer']}"
-          f"{', CUDA graphs (vision, denoise)' if results.get('cuda_graphs') else ''}")
+          f"{', CUDA graphs (vision, denoise)' if results.get('cuda_graphs') else ''}"
+          f"{', ' + results['cpu_kernels'] if results.get('cpu_kernels') else ''}")
     print(f"P = {1e3 * c['P']:.1f} ms (vision {1e3 * c['V']:.1f}), D = {1e3 * c['D']:.1f} ms, "
           f"d = {1e3 * c['d']:.2f} ms")
     print("frame ms / act Hz / speedup: per-frame medians (means in the JSON)")

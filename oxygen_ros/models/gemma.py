@@ -113,6 +113,11 @@ def use_packed_weights(enabled: bool) -> None:
     _PACKING["enabled"] = enabled
 
 
+def packed_weights_in_use() -> bool:
+    """The setting of :func:`use_packed_weights` (True by default)."""
+    return bool(_PACKING["enabled"])
+
+
 def _packing_available() -> bool:
     if _PACKING["available"] is None:
         ops = torch.ops.mkldnn

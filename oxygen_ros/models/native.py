@@ -45,6 +45,11 @@ def use(enabled: bool) -> None:
     _USE["enabled"] = enabled
 
 
+def in_use() -> bool:
+    """The setting of :func:`use` (True by default)."""
+    return bool(_USE["enabled"])
+
+
 def enabled_by_environment() -> bool:
     """False when ``OXYGEN_NATIVE_KERNELS`` is ``0``, ``false``, ``no`` or ``off``."""
     return os.environ.get("OXYGEN_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
