@@ -79,6 +79,19 @@ def test_native_attention_agrees_with_the_torch_path_and_rows_are_independent():
 
 
 @needs_kernel
+def test_native_attention_reads_a_shared_prefix_once_with_the_same_result():
+    q, k, v, mask = _case(9, 1, 4, 1, 64, 200, 5)
+    prefix = 131                                   # not a multiple of the 4-key blocks
+    k[:, :prefix], v[:, :prefix] = k[:1, :prefix], v[:1, :prefix]
+    mask[:, :, :prefix] = True
+    shared = attention(q, k, v, mask, shared_prefix=prefix)
+    torch.testing.assert_close(shared.double(), _naive(q, k, v, mask), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(shared, attention(q, k, v, mask), atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="shared_prefix"):
+        native.decode_attention(torch.randn(9, 1, 4, 64), k, v, mask, shared_prefix=201)
+
+
+@needs_kernel
 def test_native_attention_rejects_bad_input_with_clear_errors():
     q = torch.randn(2, 1, 4, 64)
     k = v = torch.randn(2, 10, 1, 64)

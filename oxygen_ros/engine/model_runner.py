@@ -94,6 +94,10 @@ class ModelRunner:
         if self.device.type == "cuda" and hasattr(model, "enable_cuda_graphs"):
             if cuda_graphs != (model.cuda_graphs is not None):
                 model.enable_cuda_graphs(cuda_graphs)
+        # Native CPU kernels build on first use (seconds, once per machine): build them now, at
+        # engine construction, rather than inside the first control cycle that decodes.
+        if self.device.type == "cpu" and hasattr(model, "prepare_cpu_kernels"):
+            model.prepare_cpu_kernels()
 
     @torch.inference_mode()
     def encode(self, images: Sequence[np.ndarray]) -> torch.Tensor:

@@ -333,10 +333,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     batched matmul against ``heads/kv_heads · T`` queries. With at most :data:`FEW_QUERIES` folded
     queries (a decode step) two batched matmuls with an fp32 softmax between them run faster than
     SDPA's kernel on CPU; otherwise SDPA with an additive mask (its softmax accumulates in fp32).
-    Both are exact. In the few-queries case with ``shared_prefix`` P > 0 and B > 1, the prefix is
-    attended once for the queries of all rows (cascade attention, :func:`_cascade_attention`);
-    without one, fp32 on an x86 CPU with AVX-512 runs the native kernel instead of the matmuls
-    (:func:`oxygen_ros.models.native.decode_attention`: one pass over each row's K and V).
+    Both are exact. In the few-queries case, fp32 on an x86 CPU with AVX-512 runs the native kernel
+    instead (:func:`oxygen_ros.models.native.decode_attention`: one pass over each row's K and V,
+    a shared prefix read from row 0 for every row); elsewhere, with ``shared_prefix`` P > 0 and
+    B > 1, the prefix is attended once for the queries of all rows (cascade attention,
+    :func:`_cascade_attention`).
     """
     if not isinstance(mask, AttentionMask):
         mask = AttentionMask(mask)
@@ -344,11 +345,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     length, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     q = q.view(b, t, kv_heads, group, hd).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * t, hd)
+    if group * t <= FEW_QUERIES and _native_decode(q, k, v, group * t):
+        out = native.decode_attention(q * hd ** -0.5, k, v, mask.mask, shared_prefix if b > 1 else 0)
+        return out.view(b, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, heads * hd)
     if group * t <= FEW_QUERIES and shared_prefix > 0 and b > 1:
         out = _cascade_attention(q * hd ** -0.5, k, v, mask.mask, shared_prefix, t)
-        return out.view(b, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, heads * hd)
-    if group * t <= FEW_QUERIES and _native_decode(q, k, v, group * t):
-        out = native.decode_attention(q * hd ** -0.5, k, v, mask.mask)
         return out.view(b, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, heads * hd)
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     if group * t <= FEW_QUERIES:

@@ -106,7 +106,8 @@ def _cpu_has_avx512() -> bool:
         torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     shared_prefix: int = 0) -> torch.Tensor:
     """Softmax attention of folded queries over each row's keys (the native kernel).
 
     Args:
@@ -115,6 +116,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         k, v: fp32 ``[B, L, kv_heads, hd]`` on the CPU, last dimension contiguous (other strides free:
             views of a larger buffer are read in place).
         mask: bool ``[B, T, L]``, True = the token may attend to the key; every row needs a True.
+        shared_prefix: P such that keys and values ``[:, :P]`` are the same in every row (forks of
+            one prefix); row 0's copy is read for all rows, so it comes from memory once.
 
     Returns:
         fp32 ``[B, kv_heads, N, hd]``.
@@ -125,4 +128,4 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """
     if not load():
         raise RuntimeError(f"native decode attention {status()}")
-    return torch.ops.oxygen_ros.decode_attention(q, k, v, mask)
+    return torch.ops.oxygen_ros.decode_attention(q, k, v, mask, shared_prefix)

@@ -35,6 +35,7 @@ from .config import VLAConfig
 from .cuda_graphs import GraphCache, round_up
 from .gemma import (AdaRMSNorm, AttentionMask, GemmaStack, RMSNorm, apply_rope, attention, rope_cos_sin,
                     rope_inverse_frequencies)
+from . import native
 from .kv_cache import KVCacheView
 
 
@@ -148,6 +149,14 @@ class VLAModel(nn.Module):
                 module.float()
         self.rope_inv_freq = self.rope_inv_freq.float()
         return self
+
+    def prepare_cpu_kernels(self) -> str:
+        """Build (first time) and load the native CPU decode attention now, instead of at the first
+        decode step; a no-op away from the CPU or below fp32. Returns its status
+        (:func:`oxygen_ros.models.native.status`); never raises."""
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            native.load()
+        return native.status()
 
     def enable_cuda_graphs(self, enabled: bool = True, prefix_bucket: int = 64, max_graphs: int = 16) -> None:
         """Replay :meth:`denoise` and :meth:`encode_images` from CUDA graphs on a CUDA device.

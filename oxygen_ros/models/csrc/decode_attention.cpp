@@ -35,7 +35,17 @@ struct Problem {
   const float* v;
   const bool* mask;                  // [B, T, L] contiguous; query n reads row n % T
   int64_t k_b, k_l, k_h, v_b, v_l, v_h;
+  int64_t shared;                    // keys [0, shared) are the same in every row: read row 0's
 };
+
+// Key (value) row l of batch row b, head h: row 0's copy below the shared prefix, so that a prefix
+// every row holds is read once from memory and then from cache.
+inline const float* k_row(const Problem& p, int64_t b, int64_t h, int64_t l) {
+  return p.k + (l < p.shared ? 0 : b) * p.k_b + h * p.k_h + l * p.k_l;
+}
+inline const float* v_row(const Problem& p, int64_t b, int64_t h, int64_t l) {
+  return p.v + (l < p.shared ? 0 : b) * p.v_b + h * p.v_h + l * p.v_l;
+}
 
 // Keys [0, end) of row b that some query may see; keys at or past `end` are masked for all.
 int64_t visible_end(const Problem& p, int64_t b) {
@@ -95,16 +105,15 @@ __attribute__((target("avx512f")))
 void scores_avx512(const Problem& p, int64_t b, int64_t h, int64_t end, float* s) {
   const int64_t chunks = p.dim / 16, L = p.length;
   const float* q = p.q + (b * p.heads + h) * p.queries * p.dim;
-  const float* k = p.k + b * p.k_b + h * p.k_h;
   int64_t blocked = 0;
   if (p.queries % 4 == 0) {
     blocked = end - end % 4;
     for (int64_t l = 0; l < blocked; l += 4) {
-      prefetch_row(k + (l + kPrefetchKeys) * p.k_l, 4 * p.k_l);
+      prefetch_row(k_row(p, b, h, l + kPrefetchKeys), 4 * p.k_l);
       for (int64_t n0 = 0; n0 < p.queries; n0 += 4) {
         __m512 v[16];
         for (int m = 0; m < 4; ++m)
-          for (int j = 0; j < 4; ++j) v[4 * m + j] = partial_dot(q + (n0 + j) * p.dim, k + (l + m) * p.k_l, chunks);
+          for (int j = 0; j < 4; ++j) v[4 * m + j] = partial_dot(q + (n0 + j) * p.dim, k_row(p, b, h, l + m), chunks);
         const __m512 sums = sum16(v);   // block j: query n0 + j, keys l .. l + 3
         _mm_storeu_ps(s + (n0 + 0) * L + l, _mm512_extractf32x4_ps(sums, 0));
         _mm_storeu_ps(s + (n0 + 1) * L + l, _mm512_extractf32x4_ps(sums, 1));
@@ -114,7 +123,7 @@ void scores_avx512(const Problem& p, int64_t b, int64_t h, int64_t end, float* s
     }
   }
   for (int64_t l = blocked; l < end; ++l) {
-    const float* kl = k + l * p.k_l;
+    const float* kl = k_row(p, b, h, l);
     for (int64_t n = 0; n < p.queries; ++n)
       s[n * L + l] = _mm512_reduce_add_ps(partial_dot(q + n * p.dim, kl, chunks));
   }
@@ -131,14 +140,13 @@ void scores_avx512(const Problem& p, int64_t b, int64_t h, int64_t end, float* s
 template <int NQ, int S>
 __attribute__((target("avx512f")))
 void output_avx512(const Problem& p, int64_t b, int64_t h, int64_t end, const float* probs, float* out) {
-  const float* v = p.v + b * p.v_b + h * p.v_h;
   for (int64_t d0 = 0; d0 < p.dim; d0 += 16 * S) {
     __m512 acc[NQ][S];
     for (int n = 0; n < NQ; ++n)
       for (int c = 0; c < S; ++c) acc[n][c] = _mm512_setzero_ps();
     for (int64_t l = 0; l < end; ++l) {
-      const float* vl = v + l * p.v_l + d0;
-      prefetch_row(vl + kPrefetchKeys * p.v_l, 16 * S);
+      const float* vl = v_row(p, b, h, l) + d0;
+      prefetch_row(v_row(p, b, h, l + kPrefetchKeys) + d0, 16 * S);
       __m512 row[S];
       for (int c = 0; c < S; ++c) row[c] = _mm512_loadu_ps(vl + 16 * c);
       for (int n = 0; n < NQ; ++n) {
@@ -175,10 +183,11 @@ bool has_avx512() {
 }
 
 // q [B, H, N, D] fp32 (scaled, queries folded group-major: n = group * T + token); k, v [B, L, H, D]
-// fp32 with the last dimension contiguous; mask bool [B, T, L]. Returns fp32 [B, H, N, D].
+// fp32 with the last dimension contiguous; mask bool [B, T, L]; keys below shared_prefix are the
+// same in every row (row 0's are read). Returns fp32 [B, H, N, D].
 // Needs AVX-512, D a multiple of 16 and N in {1, 2, 4, 8, 16} (oxygen_ros.models.native.supports).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& mask) {
+                            const at::Tensor& mask, int64_t shared_prefix) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && mask.device().is_cpu(),
               "decode_attention: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
@@ -200,6 +209,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   p.mask = mc.data_ptr<bool>();
   p.k_b = k.stride(0); p.k_l = k.stride(1); p.k_h = k.stride(2);
   p.v_b = v.stride(0); p.v_l = v.stride(1); p.v_h = v.stride(2);
+  TORCH_CHECK(shared_prefix >= 0 && shared_prefix <= p.length,
+              "decode_attention: shared_prefix must be in [0, L], got ", shared_prefix);
+  p.shared = shared_prefix;
 
   at::Tensor out = at::empty({p.batch, p.heads, p.queries, p.dim}, q.options());
   if (p.batch == 0 || p.heads == 0 || p.queries == 0 || p.dim == 0) return out;
@@ -238,7 +250,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }  // namespace
 
 TORCH_LIBRARY(oxygen_ros, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, int shared_prefix=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(oxygen_ros, CPU, m) {
