@@ -5,6 +5,9 @@ Cases that need the kernel skip where it cannot be built or run (no AVX-512, no 
 fallback tests run everywhere.
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -108,6 +111,28 @@ def test_native_attention_rejects_bad_input_with_clear_errors():
                                 torch.ones(2, 1, 10, dtype=torch.bool))
 
 
+@needs_kernel
+def test_attention_with_autograd_recording_takes_the_torch_path_and_keeps_gradients():
+    q, k, v, mask = _case(3, 1, 4, 1, 64, 50, 6)
+    q.requires_grad_(True)
+    k = k.clone().requires_grad_(True)
+    attention(q, k, v, mask).sum().backward()
+    assert q.grad is not None and k.grad is not None and float(q.grad.abs().sum()) > 0
+
+
+@needs_kernel
+def test_a_build_lock_left_by_a_killed_build_does_not_block_loading():
+    """torch's own lock file outlives a killed build; a new process must clear it and load."""
+    build_dir = native.build_directory()
+    assert (build_dir / "decode_attention.cpp").exists()        # compiled from the copy there ...
+    assert str(build_dir / "decode_attention.cpp") in (build_dir / "build.ninja").read_text()
+    (build_dir / "lock").write_text("")                          # ... so a stale torch lock is found here
+    code = "from oxygen_ros.models import native; native.load(); print(native.status())"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip().splitlines()[-1] == "loaded", result.stderr
+    assert not (build_dir / "lock").exists()
+
+
 def test_supports_declines_what_the_kernel_cannot_serve():
     assert not native.supports(60, 4)        # head_dim not a multiple of 16
     assert not native.supports(64, 3)        # 3 folded queries
@@ -135,7 +160,8 @@ def test_decode_step_logits_are_the_same_with_and_without_the_native_kernel():
             kv.commit()
             steps = []
             for token in ([5, 6, 7], [1, 2, 3]):
-                steps.append(model.decode_step(torch.tensor(token), kv.begin(torch.ones(3, dtype=torch.long))))
+                ones = torch.ones(3, dtype=torch.long)
+                steps.append(model.decode_step(torch.tensor(token), kv.begin(ones)))
                 kv.commit()
             results.append(torch.stack(steps))
         finally:

@@ -469,9 +469,11 @@ def _cpu_kernels(model, torch_kernels: bool) -> str | None:
         return None
     if torch_kernels:
         return "torch paths (--torch-kernels)"
-    attention = ("native decode attention" if native.supports(model.config.head_dim, model.config.num_heads // model.config.num_kv_heads)
+    group = model.config.num_heads // model.config.num_kv_heads
+    attention = ("native decode attention" if native.supports(model.config.head_dim, group)
                  else f"torch decode attention (native {native.status()})")
-    return f"{attention}, oneDNN-packed weights"
+    linears = "oneDNN-packed weights" if gemma.packed_weights_available() else "MKL linears (no oneDNN ops)"
+    return f"{attention}, {linears}"
 
 
 def _print(results: dict) -> None:

@@ -118,6 +118,11 @@ def packed_weights_in_use() -> bool:
     return bool(_PACKING["enabled"])
 
 
+def packed_weights_available() -> bool:
+    """Whether this torch has the oneDNN linear ops :class:`Linear` packs weights for."""
+    return _packing_available()
+
+
 def _packing_available() -> bool:
     if _PACKING["available"] is None:
         ops = torch.ops.mkldnn
@@ -370,9 +375,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 def _native_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: int) -> bool:
     """Whether :func:`attention` hands a few-queries case to :func:`native.decode_attention`: fp32
-    on a CPU the kernel supports (see :func:`native.supports`), K/V with a contiguous last dim."""
+    on a CPU the kernel supports (see :func:`native.supports`), K/V with a contiguous last dim, and
+    no gradient to record (the kernel has no backward)."""
     return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
-            and k.stride(-1) == 1 and v.stride(-1) == 1 and native.supports(q.shape[-1], queries))
+            and k.stride(-1) == 1 and v.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            and native.supports(q.shape[-1], queries))
 
 
 def _cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
