@@ -37,7 +37,6 @@ stdout and JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import math
@@ -53,7 +52,8 @@ import torch
 from oxygen_ros.engine import BlockPool, CycleResult, Engine, EngineConfig, KVCacheManager, Observation
 from oxygen_ros.engine.model_runner import ModelRunner, PrefillRow
 from oxygen_ros.engine.processing import ModelProcessor
-from oxygen_ros.models import PRESETS, ROBOTS, gemma, get_preset, get_robot, load_model, load_tokenizer, native
+from oxygen_ros.bench.cpu_paths import cpu_kernel_choice, cpu_kernels
+from oxygen_ros.models import PRESETS, ROBOTS, get_preset, get_robot, load_model, load_tokenizer
 from oxygen_ros.models.tokenizer import TinyTokenizer
 from oxygen_ros.models.processing import ACTION_PROMPT, LANGUAGE_PROMPT, Processor
 
@@ -304,20 +304,6 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, config, tokenizer)
 
 
-@contextlib.contextmanager
-def cpu_kernel_choice(torch_kernels: bool) -> Iterator[None]:
-    """Within the block, the CPU decode attention and linears take the plain torch / MKL paths
-    (``torch_kernels``) or the native kernel and oneDNN-packed weights; restored afterwards."""
-    saved = native.in_use(), gemma.packed_weights_in_use()
-    native.use(not torch_kernels)
-    gemma.use_packed_weights(not torch_kernels)
-    try:
-        yield
-    finally:
-        native.use(saved[0])
-        gemma.use_packed_weights(saved[1])
-
-
 def _run(args: argparse.Namespace, config, tokenizer) -> int:
     """Every setting of :func:`main` with validated arguments; returns the exit status."""
     model = load_model(config, dtype=args.dtype, device=args.device)
@@ -331,7 +317,7 @@ def _run(args: argparse.Namespace, config, tokenizer) -> int:
                                  "device": args.device, "device_name": _device_name(model.device)},
                      "tokenizer": args.tokenizer or "preset",
                      "cuda_graphs": not args.eager and model.device.type == "cuda",
-                     "cpu_kernels": _cpu_kernels(model, args.torch_kernels),
+                     "cpu_kernels": cpu_kernels(model.device, model.config, args.torch_kernels),
                      "preset": args.preset, "dtype": args.dtype, "robot": args.robot,
                      "frames": args.frames, "horizon": horizon, "args": vars(args), "rows": []}
     out = Path(args.out)
@@ -461,19 +447,6 @@ def _row(setting: str, n: int, k: int | None, summary: dict, isolated: dict, hor
 
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
-
-
-def _cpu_kernels(model, torch_kernels: bool) -> str | None:
-    """What serves the decode attention and the linears on the CPU (None on other devices)."""
-    if model.device.type != "cpu":
-        return None
-    if torch_kernels:
-        return "torch paths (--torch-kernels)"
-    group = model.config.num_heads // model.config.num_kv_heads
-    attention = ("native decode attention" if native.supports(model.config.head_dim, group)
-                 else f"torch decode attention (native {native.status()})")
-    linears = "oneDNN-packed weights" if gemma.packed_weights_available() else "MKL linears (no oneDNN ops)"
-    return f"{attention}, {linears}"
 
 
 def _print(results: dict) -> None:

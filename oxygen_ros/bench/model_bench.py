@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from oxygen_ros.models import PRESETS, DenseKVCache, load_model
+from oxygen_ros.bench.cpu_paths import cpu_kernel_choice, cpu_kernels
+from oxygen_ros.models import PRESETS, DenseKVCache, get_preset, load_model
 
 
 def _sync(device: torch.device) -> None:
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--eager", action="store_true",
                         help="no CUDA graphs (default on CUDA: vision and denoise replayed from graphs)")
+    parser.add_argument("--torch-kernels", action="store_true",
+                        help="on the CPU: no native decode attention and no oneDNN-packed weights "
+                             "(the plain torch / MKL paths, for A/B)")
     args = parser.parse_args(argv)
     if min(args.cameras, args.prompt_len, args.steps, args.decode_batch, args.repeats) < 1:
         parser.error("--cameras, --prompt-len, --steps, --decode-batch and --repeats must be >= 1")
@@ -121,15 +125,19 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--device {args.device}: this torch ({torch.__version__}) has no CUDA device")
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"device={args.device} dtype={args.dtype} cameras={args.cameras} prompt={args.prompt_len} "
-          f"S={args.steps} decode_batch={args.decode_batch} threads={torch.get_num_threads()}"
-          f"{' eager' if args.eager or device.type != 'cuda' else ' cuda_graphs'}")
-    print(f"{'preset':<12}{'vision':>10}{'prefill':>10}{'denoise':>10}{'cycle':>10}{'decode':>10}   (ms, median)")
-    for preset in args.presets:
-        r = bench_preset(preset, args.device, args.dtype, args.cameras, args.prompt_len, args.steps,
-                         args.decode_batch, args.warmup, args.repeats, not args.eager)
-        print(f"{preset:<12}{r['vision']:>10.1f}{r['prefill']:>10.1f}{r['denoise']:>10.1f}{r['cycle']:>10.1f}"
-              f"{r['decode_step']:>10.2f}")
+    with cpu_kernel_choice(args.torch_kernels):
+        paths = cpu_kernels(device, get_preset(args.presets[0]), args.torch_kernels) if args.dtype == "float32" \
+            else None
+        print(f"device={args.device} dtype={args.dtype} cameras={args.cameras} prompt={args.prompt_len} "
+              f"S={args.steps} decode_batch={args.decode_batch} threads={torch.get_num_threads()}"
+              f"{' eager' if args.eager or device.type != 'cuda' else ' cuda_graphs'}"
+              f"{f' ({paths})' if paths else ''}")
+        print(f"{'preset':<12}{'vision':>10}{'prefill':>10}{'denoise':>10}{'cycle':>10}{'decode':>10}   (ms, median)")
+        for preset in args.presets:
+            r = bench_preset(preset, args.device, args.dtype, args.cameras, args.prompt_len, args.steps,
+                             args.decode_batch, args.warmup, args.repeats, not args.eager)
+            print(f"{preset:<12}{r['vision']:>10.1f}{r['prefill']:>10.1f}{r['denoise']:>10.1f}"
+                  f"{r['cycle']:>10.1f}{r['decode_step']:>10.2f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""Which CPU paths serve the decode attention and the linears, for the benchmarks' A/B switch
+(``--torch-kernels``) and their headers."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from oxygen_ros.models import gemma, native
+from oxygen_ros.models.config import VLAConfig
+
+
+@contextlib.contextmanager
+def cpu_kernel_choice(torch_kernels: bool) -> Iterator[None]:
+    """Within the block, the CPU decode attention and linears take the plain torch / MKL paths
+    (``torch_kernels``) or the native kernel and oneDNN-packed weights; restored afterwards."""
+    saved = native.in_use(), gemma.packed_weights_in_use()
+    native.use(not torch_kernels)
+    gemma.use_packed_weights(not torch_kernels)
+    try:
+        yield
+    finally:
+        native.use(saved[0])
+        gemma.use_packed_weights(saved[1])
+
+
+def cpu_kernels(device: str | torch.device, config: VLAConfig, torch_kernels: bool) -> str | None:
+    """What serves the decode attention and the linears of a ``config`` model on ``device`` when it
+    is the CPU (None on other devices); builds the native kernel if it is not yet built."""
+    if torch.device(device).type != "cpu":
+        return None
+    if torch_kernels:
+        return "torch paths (--torch-kernels)"
+    group = config.num_heads // config.num_kv_heads
+    attention = ("native decode attention" if native.supports(config.head_dim, group)
+                 else f"torch decode attention (native {native.status()})")
+    linears = "oneDNN-packed weights" if gemma.packed_weights_available() else "MKL linears (no oneDNN ops)"
+    return f"{attention}, {linears}"
