@@ -59,26 +59,28 @@ def test_native_attention_matches_fp64_reference(heads, kv_heads, tokens, hd):
     for batch, length, seed in ((1, 5, 0), (3, 97, 1), (30, 601, 2)):
         q, k, v, mask = _case(batch, tokens, heads, kv_heads, hd, length, seed)
         assert native.supports(hd, heads // kv_heads * tokens)
-        out = attention(q, k, v, AttentionMask(mask))
+        with torch.inference_mode():
+            out = attention(q, k, v, AttentionMask(mask))
         torch.testing.assert_close(out.double(), _naive(q, k, v, mask), atol=2e-5, rtol=1e-5)
 
 
 @needs_kernel
 def test_native_attention_agrees_with_the_torch_path_and_rows_are_independent():
     q, k, v, mask = _case(12, 1, 4, 1, 64, 300, 3)
-    fast = attention(q, k, v, mask)
-    native.use(False)
-    try:
-        assert not native.supports(64, 4)
-        plain = attention(q, k, v, mask)
-    finally:
-        native.use(True)
-    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
-    # A row's result does not depend on the other rows of the batch (same padded length).
-    others = _case(5, 1, 4, 1, 64, 300, 4)
-    for row in (0, 5, 11):
-        mixed = [torch.cat([x[row:row + 1], y]) for x, y in zip((q, k, v, mask), others)]
-        assert torch.equal(attention(*mixed)[0], fast[row])
+    with torch.inference_mode():
+        fast = attention(q, k, v, mask)
+        native.use(False)
+        try:
+            assert not native.supports(64, 4)
+            plain = attention(q, k, v, mask)
+        finally:
+            native.use(True)
+        torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+        # A row's result does not depend on the other rows of the batch (same padded length).
+        others = _case(5, 1, 4, 1, 64, 300, 4)
+        for row in (0, 5, 11):
+            mixed = [torch.cat([x[row:row + 1], y]) for x, y in zip((q, k, v, mask), others)]
+            assert torch.equal(attention(*mixed)[0], fast[row])
 
 
 @needs_kernel
@@ -87,9 +89,10 @@ def test_native_attention_reads_a_shared_prefix_once_with_the_same_result():
     prefix = 131                                   # not a multiple of the 4-key blocks
     k[:, :prefix], v[:, :prefix] = k[:1, :prefix], v[:1, :prefix]
     mask[:, :, :prefix] = True
-    shared = attention(q, k, v, mask, shared_prefix=prefix)
-    torch.testing.assert_close(shared.double(), _naive(q, k, v, mask), atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(shared, attention(q, k, v, mask), atol=1e-6, rtol=1e-6)
+    with torch.inference_mode():
+        shared = attention(q, k, v, mask, shared_prefix=prefix)
+        torch.testing.assert_close(shared.double(), _naive(q, k, v, mask), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(shared, attention(q, k, v, mask), atol=1e-6, rtol=1e-6)
     with pytest.raises(RuntimeError, match="shared_prefix"):
         native.decode_attention(torch.randn(9, 1, 4, 64), k, v, mask, shared_prefix=201)
 
@@ -112,12 +115,22 @@ def test_native_attention_rejects_bad_input_with_clear_errors():
 
 
 @needs_kernel
-def test_attention_with_autograd_recording_takes_the_torch_path_and_keeps_gradients():
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch's forward AD
+def test_outside_inference_mode_the_torch_paths_keep_both_kinds_of_derivative():
+    import torch.autograd.forward_ad as fwAD
+
     q, k, v, mask = _case(3, 1, 4, 1, 64, 50, 6)
     q.requires_grad_(True)
     k = k.clone().requires_grad_(True)
-    attention(q, k, v, mask).sum().backward()
+    attention(q, k, v, mask).sum().backward()                       # reverse mode
     assert q.grad is not None and k.grad is not None and float(q.grad.abs().sum()) > 0
+    with fwAD.dual_level():                                         # forward mode
+        dual = fwAD.make_dual(q.detach(), torch.ones_like(q))
+        assert fwAD.unpack_dual(attention(dual, k.detach(), v, mask)).tangent is not None
+    layer = Linear(32, 16, bias=True)                               # a frozen weight, a trainable bias
+    layer.weight.requires_grad_(False)
+    layer(torch.randn(30, 32)).sum().backward()
+    assert layer.bias.grad is not None and torch.all(layer.bias.grad == 30)
 
 
 @needs_kernel

@@ -133,8 +133,8 @@ def _packing_available() -> bool:
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and state-dict keys) whose forward is :func:`linear`, except
-    for fp32 inputs of more than :data:`SMALL_M_ROWS` rows on the CPU without autograd (prefill,
-    denoising, decode steps of 9 or more requests): those use a copy of the weight prepacked for
+    for fp32 inputs of more than :data:`SMALL_M_ROWS` rows on the CPU under ``torch.inference_mode``
+    (prefill, denoising, decode steps of 9 or more requests): those use a copy of the weight prepacked for
     oneDNN (``torch.ops.mkldnn``, the kernels torch's own compiler emits for frozen CPU linears),
     made on first use and remade when the weight changes. It costs one more copy of the weight
     in memory; :func:`use_packed_weights` turns it off. Values agree with ``F.linear`` up to fp32
@@ -153,10 +153,9 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
     def _packable(self, x: torch.Tensor) -> bool:
-        weight = self.weight
-        return (_PACKING["enabled"] and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-                and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-                and _packing_available())
+        # Only under inference mode: the oneDNN op has no derivative of either mode.
+        return (_PACKING["enabled"] and torch.is_inference_mode_enabled() and x.device.type == "cpu"
+                and x.dtype == self.weight.dtype == torch.float32 and _packing_available())
 
     def _packed_weight(self) -> torch.Tensor | None:
         weight = self.weight
@@ -374,12 +373,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 def _native_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: int) -> bool:
-    """Whether :func:`attention` hands a few-queries case to :func:`native.decode_attention`: fp32
-    on a CPU the kernel supports (see :func:`native.supports`), K/V with a contiguous last dim, and
-    no gradient to record (the kernel has no backward)."""
-    return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
-            and k.stride(-1) == 1 and v.stride(-1) == 1
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    """Whether :func:`attention` hands a few-queries case to :func:`native.decode_attention`: under
+    ``torch.inference_mode`` (the models' inference entry points; the kernel has no backward and no
+    forward-mode derivative, and inference mode records neither), fp32 on a CPU the kernel
+    supports (see :func:`native.supports`), K/V with a contiguous last dim."""
+    return (torch.is_inference_mode_enabled() and q.device.type == "cpu"
+            and q.dtype == k.dtype == v.dtype == torch.float32 and k.stride(-1) == 1 and v.stride(-1) == 1
             and native.supports(q.shape[-1], queries))
 
 
