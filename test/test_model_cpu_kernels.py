@@ -190,7 +190,10 @@ def test_packed_linear_matches_f_linear_and_follows_weight_changes():
     torch.manual_seed(0)
     layer = Linear(96, 40, bias=True)
     with torch.inference_mode():
-        for rows in (gemma.SMALL_M_ROWS + 1, 30, 571):
+        x = torch.randn(gemma.PACKED_MIN_ROWS - 1, 96)   # below the threshold: F.linear, nothing packed
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        assert layer._packed is None
+        for rows in (gemma.PACKED_MIN_ROWS, 30, 571):
             x = torch.randn(rows, 96)
             out = layer(x)
             assert layer._packed is not None            # the packed path served it

@@ -101,6 +101,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # pi05_tiny layer shapes): packed for 32 rows, a set of projections took 0.5-0.6x of ``F.linear``'s
 # (MKL) time at 9-64 rows and 0.7x at 571 (a prefill); packed for 1 row, no gain above 9 rows.
 PACK_ROWS_HINT = 32
+# Fewest rows for which :class:`Linear` uses the packed copy. Each oneDNN call costs about 20 us
+# more than MKL's, which small products with their weights hot in cache do not win back: the
+# denoising loop (10 action rows on the expert, 280 products per frame) took 23-24 ms with MKL and
+# 29-30 ms packed; a 30-request decode step (weights streamed from memory) got 0.5-1 ms cheaper.
+PACKED_MIN_ROWS = 16
 _PACKING = {"enabled": True, "available": None}
 _LOG = logging.getLogger(__name__)
 
@@ -133,8 +138,8 @@ def _packing_available() -> bool:
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and state-dict keys) whose forward is :func:`linear`, except
-    for fp32 inputs of more than :data:`SMALL_M_ROWS` rows on the CPU under ``torch.inference_mode``
-    (prefill, denoising, decode steps of 9 or more requests): those use a copy of the weight prepacked for
+    for fp32 inputs of at least :data:`PACKED_MIN_ROWS` rows on the CPU under ``torch.inference_mode``
+    (prefill, decode steps of 16 or more requests): those use a copy of the weight prepacked for
     oneDNN (``torch.ops.mkldnn``, the kernels torch's own compiler emits for frozen CPU linears),
     made on first use and remade when the weight changes. It costs one more copy of the weight
     in memory; :func:`use_packed_weights` turns it off. Values agree with ``F.linear`` up to fp32
@@ -144,7 +149,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
-        if rows > SMALL_M_ROWS and self._packable(x):
+        if rows >= PACKED_MIN_ROWS and self._packable(x):
             packed = self._packed_weight()
             if packed is not None:
                 out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, self.bias,
