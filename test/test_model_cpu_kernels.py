@@ -52,6 +52,7 @@ def _case(batch, tokens, heads, kv_heads, hd, length, seed):
     (8, 1, 1, 256),   # full-size pi0.5 / pi0: 8 queries, head_dim 256
     (8, 2, 1, 32),    # several K/V heads
     (1, 1, 1, 16),    # one query
+    (2, 1, 1, 128),   # two queries (no 4-query blocks in the scores)
     (4, 1, 2, 64),    # two tokens per row (8 folded queries)
     (4, 1, 4, 48),    # 16 folded queries, head_dim not a power of two
 ])
