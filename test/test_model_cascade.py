@@ -19,7 +19,7 @@ def test_cascade_attention_matches_plain_attention():
         torch.testing.assert_close(cascade, plain, atol=1e-5, rtol=1e-5)
 
 
-def _naive(q, k, v, mask):
+def naive_attention(q, k, v, mask):
     """fp64 softmax attention with K/V heads repeated for their query groups."""
     b, t, heads, hd = q.shape
     group = heads // k.shape[2]
@@ -35,4 +35,5 @@ def test_grouped_query_attention_with_several_kv_heads_matches_naive():
         q, k, v = torch.randn(3, t, 8, 32), torch.randn(3, 50, 2, 32), torch.randn(3, 50, 2, 32)
         mask = torch.rand(3, t, 50) < 0.7
         mask[..., 0] = True
-        torch.testing.assert_close(attention(q, k, v, mask).double(), _naive(q, k, v, mask), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(attention(q, k, v, mask).double(), naive_attention(q, k, v, mask),
+                                   atol=1e-5, rtol=1e-5)

@@ -17,19 +17,10 @@ from oxygen_ros.models import gemma
 from oxygen_ros.models.gemma import AttentionMask, Linear, attention, linear
 from oxygen_ros.models.kv_cache import DenseKVCache
 from oxygen_ros.models.vla import VLAModel
+from test_model_cascade import naive_attention   # the fp64 reference attention
 
 needs_kernel = pytest.mark.skipif(not native.supports(64, 4),
                                   reason=f"native decode attention unavailable here: {native.status()}")
-
-
-def _naive(q, k, v, mask):
-    """fp64 reference: q [B, T, heads, hd], k/v [B, L, kv, hd], mask [B, T, L] -> [B, T, heads·hd]."""
-    b, t, heads, hd = q.shape
-    group = heads // k.shape[2]
-    k, v = (x.double().repeat_interleave(group, dim=2).transpose(1, 2) for x in (k, v))
-    scores = q.double().transpose(1, 2) @ k.transpose(-1, -2) * hd ** -0.5
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, heads * hd)
 
 
 def _case(batch, tokens, heads, kv_heads, hd, length, seed):
@@ -62,7 +53,7 @@ def test_native_attention_matches_fp64_reference(heads, kv_heads, tokens, hd):
         assert native.supports(hd, heads // kv_heads * tokens)
         with torch.inference_mode():
             out = attention(q, k, v, AttentionMask(mask))
-        torch.testing.assert_close(out.double(), _naive(q, k, v, mask), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(out.double(), naive_attention(q, k, v, mask), atol=2e-5, rtol=1e-5)
 
 
 @needs_kernel
@@ -92,7 +83,7 @@ def test_native_attention_reads_a_shared_prefix_once_with_the_same_result():
     mask[:, :, :prefix] = True
     with torch.inference_mode():
         shared = attention(q, k, v, mask, shared_prefix=prefix)
-        torch.testing.assert_close(shared.double(), _naive(q, k, v, mask), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(shared.double(), naive_attention(q, k, v, mask), atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(shared, attention(q, k, v, mask), atol=1e-6, rtol=1e-6)
     with pytest.raises(RuntimeError, match="shared_prefix"):
         native.decode_attention(torch.randn(9, 1, 4, 64), k, v, mask, shared_prefix=201)
