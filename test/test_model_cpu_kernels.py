@@ -174,7 +174,7 @@ def test_decode_step_logits_are_the_same_with_and_without_the_native_kernel():
     torch.testing.assert_close(results[0], results[1], atol=1e-4, rtol=1e-5)
 
 
-needs_packing = pytest.mark.skipif(not gemma._packing_available(), reason="no oneDNN linear ops in this torch")
+needs_packing = pytest.mark.skipif(not gemma.packed_weights_available(), reason="no oneDNN linear ops in this torch")
 
 
 @needs_packing

@@ -124,11 +124,8 @@ def packed_weights_in_use() -> bool:
 
 
 def packed_weights_available() -> bool:
-    """Whether this torch has the oneDNN linear ops :class:`Linear` packs weights for."""
-    return _packing_available()
-
-
-def _packing_available() -> bool:
+    """Whether this torch has the oneDNN linear ops :class:`Linear` packs weights for (False too
+    after a packing failure)."""
     if _PACKING["available"] is None:
         ops = torch.ops.mkldnn
         _PACKING["available"] = bool(torch.backends.mkldnn.is_available()) and all(
@@ -160,7 +157,7 @@ class Linear(nn.Linear):
     def _packable(self, x: torch.Tensor) -> bool:
         # Only under inference mode: the oneDNN op has no derivative of either mode.
         return (_PACKING["enabled"] and torch.is_inference_mode_enabled() and x.device.type == "cpu"
-                and x.dtype == self.weight.dtype == torch.float32 and _packing_available())
+                and x.dtype == self.weight.dtype == torch.float32 and packed_weights_available())
 
     def _packed_weight(self) -> torch.Tensor | None:
         weight = self.weight
@@ -354,26 +351,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     length, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     q = q.view(b, t, kv_heads, group, hd).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * t, hd)
-    if group * t <= FEW_QUERIES and _native_decode(q, k, v, group * t):
+    few = group * t <= FEW_QUERIES
+    if few and _native_decode(q, k, v, group * t):
         out = native.decode_attention(q * hd ** -0.5, k, v, mask.mask, shared_prefix if b > 1 else 0)
-        return out.view(b, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, heads * hd)
-    if group * t <= FEW_QUERIES and shared_prefix > 0 and b > 1:
+    elif few and shared_prefix > 0 and b > 1:
         out = _cascade_attention(q * hd ** -0.5, k, v, mask.mask, shared_prefix, t)
-        return out.view(b, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, heads * hd)
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
-    if group * t <= FEW_QUERIES:
-        m = mask.folded(group).expand(b, kv_heads, group * t, length)
+    elif few:
         # 3-D bmm reads strided K/V (e.g. views of the decode rows) in place; 4-D matmul would copy.
-        flat_k, flat_v = k.reshape(b * kv_heads, length, hd), v.reshape(b * kv_heads, length, hd)
+        flat_k = k.transpose(1, 2).reshape(b * kv_heads, length, hd)
+        flat_v = v.transpose(1, 2).reshape(b * kv_heads, length, hd)
         flat_q = (q * hd ** -0.5).reshape(b * kv_heads, group * t, hd)
         if b * kv_heads <= Q_LEFT_MAX_BATCH:
             scores = torch.bmm(flat_q, flat_k.transpose(1, 2))
         else:
             scores = torch.bmm(flat_k, flat_q.transpose(1, 2)).transpose(1, 2)
+        m = mask.folded(group).expand(b, kv_heads, group * t, length)
         scores = scores.float().masked_fill(~m.reshape(b * kv_heads, group * t, length), float("-inf"))
         out = torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), flat_v)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.additive(group, q.dtype))
+        out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask.additive(group, q.dtype))
     return out.view(b, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, heads * hd)
 
 
