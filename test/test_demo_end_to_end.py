@@ -1,6 +1,7 @@
 """`make demo` in short: sim robot + oxygen node (pi05_tiny, CPU) + recorder for ~10 s, then the report.
 
-Rates are logged; only loose floors are asserted (a busy 2-core CI machine must not make this flaky).
+Rates are logged, never asserted: the run lasts until the outputs it checks have arrived
+(``--min-outputs``), so a slow or busy machine makes it longer, not red.
 """
 from __future__ import annotations
 
@@ -23,17 +24,18 @@ def test_short_demo_produces_chunks_speech_memory_and_a_readable_mcap(tmp_path):
 
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-P", "-m", "oxygen_ros.node.demo", "--duration", "10",
-                           "--output", str(run_dir)], capture_output=True, text=True, timeout=400,
+                           "--min-outputs", "3", "--max-duration", "300", "--output", str(run_dir)], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ))
     print(proc.stdout[-4000:])
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     print(f"chunks/s {summary['action_chunks_per_s']}, speech completed {summary['speech_utterances_completed']}, "
           f"memory {summary['memory_entries']}, deadline misses {summary['deadline_misses']}")
-    assert summary["action_chunks"] >= 5 and summary["action_chunks_per_s"] >= 0.5
+    assert summary["action_chunks"] >= 5
     assert summary["action_horizon"] == 10
-    assert summary["speech_utterances_completed"] >= 1
-    assert summary["memory_entries"] >= 1
+    # >= 3 arrived live; the recorder may miss one still in flight when the run stops
+    assert summary["speech_utterances_completed"] >= 2
+    assert summary["memory_entries"] >= 2
     assert (run_dir / "timeline.png").stat().st_size > 0 and (run_dir / "contact_sheet.png").stat().st_size > 0
 
     with AnyReader([run_dir / "bag"], default_typestore=project_typestore()) as reader:

@@ -10,7 +10,7 @@ import torch
 
 from oxygen_ros.engine import Engine, EngineConfig, RequestStatus
 from oxygen_ros.models import load_model
-from test_engine_support import SPEECH, ByteProcessor, engine_config, observation
+from test_engine_support import MEMORY, SPEECH, ByteProcessor, engine_config, observation
 
 ONE_CAM = ("left_wrist_0_rgb",)
 
@@ -143,6 +143,47 @@ def test_overloaded_control_loop_still_advances_language_by_the_minimum_steps(mo
         assert result.record.decode_steps == 1 and result.action is not None
         finals += [e for e in result.text_events if e.final]
     assert finals and all(e.status == RequestStatus.COMPLETED for e in finals)
+    engine.close()
+
+
+@pytest.mark.parametrize("tasks", [[dict(SPEECH, max_new_tokens=3)],
+                                   [dict(SPEECH, max_new_tokens=3), MEMORY]])
+def test_overloaded_control_loop_still_admits_language_with_its_own_prefill(model, tasks):
+    # Every language prompt here differs from the action prompt ("... Subtask: "), so each request
+    # needs its own prefill, which no slack pays for: before the guaranteed minimum admission,
+    # every such request waited until max_wait_s dropped it (language vanished under overload).
+    tasks = [dict(task, prompt_template="Task: {instruction}. Subtask: ", max_wait_s=1e9)
+             for task in tasks]
+    engine = _engine(model, tasks, scheduling="deadline")
+    assert engine.config.min_admissions_per_cycle == 1
+    events = []
+    for seq in range(12):   # every deadline already past: no slack at all
+        result = engine.run_cycle(observation(seq, masked=ONE_CAM), deadline=time.perf_counter())
+        assert result.record.overloaded and result.action is not None
+        assert engine._scheduler.forced_admissions <= 1      # the minimum, not more
+        events += result.text_events
+    triggered = {e.request_id for e in events} | {r.request_id for r in engine.active_requests}
+    finals = [e for e in events if e.final]
+    assert finals and all(e.status == RequestStatus.COMPLETED for e in finals)
+    assert engine.metrics()["overloaded_cycles"] == 12
+    # Nothing was lost: the rest complete once there is time, each with one final event.
+    finals += [e for e in engine.flush()[0] if e.final]
+    assert len(finals) == len(triggered) and {e.request_id for e in finals} == triggered
+    assert all(e.status == RequestStatus.COMPLETED for e in finals)
+    engine.close()
+
+
+def test_guaranteed_admission_can_be_turned_off(model):
+    task = dict(SPEECH, prompt_template="Task: {instruction}. Subtask: ", max_wait_s=0.25)
+    engine = _engine(model, [task], scheduling="deadline", min_admissions_per_cycle=0)
+    events = []
+    for seq in range(6):
+        events += engine.run_cycle(observation(seq, masked=ONE_CAM),
+                                   deadline=time.perf_counter()).text_events
+    # Without the minimum, no slack means no admission: each request waits until its task's
+    # max_wait_s drops it (the behaviour the minimum exists to prevent).
+    finals = [e for e in events if e.final]
+    assert finals and all(e.status == RequestStatus.DROPPED for e in finals)
     engine.close()
 
 

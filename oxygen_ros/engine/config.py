@@ -205,6 +205,11 @@ class EngineConfig:
         min_decode_steps_per_cycle: decode steps the deadline scheduler takes every cycle even
             without slack (0 = none), so language requests keep advancing when the control loop
             is overloaded instead of starving; each such step costs the next cycle its time.
+        min_admissions_per_cycle: waiting requests the deadline scheduler admits (and prefills)
+            every cycle even when the slack cannot pay for their prefill (0 = none), so that
+            under overload language is still admitted, not only advanced: a request then ends
+            only by its own task's ``max_wait_s`` / ``admission`` rule, never because the control
+            loop left no slack. The pool reservation still applies.
         kv_budget_bytes: fixed byte budget of the KV pool (K and V of every layer).
         block_size: tokens per page.
         camera_slots: ordered camera slot names; the prefix concatenates cameras in this order.
@@ -231,6 +236,7 @@ class EngineConfig:
     scheduling: str = "deadline"
     decode_steps_per_cycle: int = 5
     min_decode_steps_per_cycle: int = 1
+    min_admissions_per_cycle: int = 1
     kv_budget_bytes: int = 64 * 2**20
     block_size: int = 16
     camera_slots: tuple[str, ...] = ("base_0_rgb",)
@@ -253,6 +259,8 @@ class EngineConfig:
             raise ValueError("decode_steps_per_cycle must be >= 1")
         if self.min_decode_steps_per_cycle < 0:
             raise ValueError("min_decode_steps_per_cycle must be >= 0")
+        if self.min_admissions_per_cycle < 0:
+            raise ValueError("min_admissions_per_cycle must be >= 0")
         if self.kv_budget_bytes <= 0:
             raise ValueError("kv_budget_bytes must be > 0")
         if self.block_size < 1:

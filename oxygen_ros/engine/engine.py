@@ -320,8 +320,9 @@ class Engine:
             self._scheduler.add(request)
 
         # Language work in the slack.
+        overloaded = False
         if self.config.mode == "unified":
-            self._unified_language(obs, deadline)
+            overloaded = self._unified_language(obs, deadline)
         else:
             self._run_to_completion(obs)
         self._tree.clear()
@@ -336,6 +337,7 @@ class Engine:
             images_encoded=after.images_encoded - before.images_encoded,
             prefilled_tokens=after.prefilled_tokens - before.prefilled_tokens,
             generated_tokens=self._cycle_tokens, deadline_missed=end > deadline,
+            overloaded=overloaded,
             pool_used_bytes=self._cycle_peak_blocks * self._pool.bytes_per_block, **timing)
         self._metrics.add_cycle(record)
         self._metrics.peak_pool_bytes = max(self._metrics.peak_pool_bytes,
@@ -343,15 +345,29 @@ class Engine:
         events, memories = self._take_outputs()
         return CycleResult(chunk, events, memories, record)
 
-    def _unified_language(self, obs: Observation, deadline: float) -> None:
+    def _unified_language(self, obs: Observation, deadline: float) -> bool:
+        """Admit and decode language requests in the slack before ``deadline``.
+
+        The deadline scheduler guarantees language a minimum every cycle, slack or not:
+        ``min_admissions_per_cycle`` admissions (with their prefills) and
+        ``min_decode_steps_per_cycle`` decode steps of the whole batch. Language therefore slows
+        down under overload but never stops; a request ends only by its own task's rules.
+
+        Returns:
+            True when the cycle was overloaded: the slack could not pay for the guaranteed minimum,
+            which ran anyway (the cycle overruns its deadline by that work).
+        """
         margin = self.config.slack_margin_s
         budget = float("inf")
-        if self.config.scheduling == "deadline":
+        deadline_mode = self.config.scheduling == "deadline"
+        if deadline_mode:
             per_token = self._estimator.estimate_prefill(1)
             slack = deadline - time.perf_counter() - margin
             if per_token is not None:
                 budget = max(0.0, slack) / per_token if per_token > 0 else float("inf")
-        self._start(self._scheduler.admit(obs.stamp, self._prefill_cost, budget))
+        minimum = self.config.min_admissions_per_cycle if deadline_mode else 0
+        self._start(self._scheduler.admit(obs.stamp, self._prefill_cost, budget, minimum))
+        overloaded = self._scheduler.forced_admissions > 0
         steps = 0
         while True:
             self._apply_cancels()
@@ -371,9 +387,11 @@ class Engine:
                     if steps >= self.config.min_decode_steps_per_cycle:
                         break
                     size = len(batch)
+                    overloaded = True
                 batch = batch[:size]
             self._decode_step(batch)
             steps += 1
+        return overloaded
 
     def _run_to_completion(self, obs: Observation) -> None:
         """isolated / shared_prefix: each admitted request decodes to its end, one at a time."""

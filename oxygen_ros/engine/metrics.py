@@ -43,6 +43,7 @@ class CycleRecord:
     generated_tokens: int
     deadline_missed: bool
     pool_used_bytes: int
+    overloaded: bool = False    # the slack could not pay for language's guaranteed minimum
 
 
 @dataclass
@@ -104,6 +105,7 @@ class EngineMetrics:
         self._action_s = 0.0
         self._tokens = 0
         self._misses = 0
+        self._overloaded = 0
         self._steps = 0
         self._batch_sum = 0
         self._max_batch = 0
@@ -120,6 +122,7 @@ class EngineMetrics:
         self._action_s += record.action_latency_s
         self._tokens += record.generated_tokens
         self._misses += record.deadline_missed
+        self._overloaded += record.overloaded
         self._steps += len(record.batch_sizes)
         self._batch_sum += sum(record.batch_sizes)
         self._max_batch = max(self._max_batch, max(record.batch_sizes, default=0))
@@ -139,7 +142,9 @@ class EngineMetrics:
 
         Totals since the last reset: ``frames``, ``frame_latency_s.mean`` /
         ``action_latency_s.mean``, ``action_rate_hz`` (H / mean frame latency), ``tokens_per_s``
-        (tokens over summed frame latencies), ``deadline_misses``, ``mean_batch_size``,
+        (tokens over summed frame latencies), ``deadline_misses``, ``overloaded_cycles`` (cycles
+        whose slack could not pay for language's guaranteed minimum; also counted over the
+        window as ``overloaded_cycles_in_window``), ``mean_batch_size``,
         ``max_batch_size``, ``mean_decode_steps_per_frame``, ``phase_mean_s`` (per-phase mean s),
         ``vision_calls_per_frame``, ``prefilled_tokens_per_frame``, ``requests_by_status``,
         ``peak_pool_bytes``, ``pool_capacity_bytes``. Over the window (``window`` says how many
@@ -163,6 +168,8 @@ class EngineMetrics:
             "action_rate_hz": self.action_horizon / mean_frame if mean_frame else None,
             "tokens_per_s": self._tokens / self._busy_s if self._busy_s > 0 else None,
             "deadline_misses": self._misses,
+            "overloaded_cycles": self._overloaded,
+            "overloaded_cycles_in_window": sum(c.overloaded for c in self.cycles),
             "mean_batch_size": self._batch_sum / self._steps if self._steps else None,
             "max_batch_size": self._max_batch,
             "mean_decode_steps_per_frame": per_frame(self._steps),

@@ -122,6 +122,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.committed_blocks = 0
+        self.forced_admissions = 0      # admissions over the prefill budget in the last admit()
         self._ended: list[Request] = []
 
     def charge(self, request: Request) -> int:
@@ -137,7 +138,7 @@ class Scheduler:
             self._end(victim, RequestStatus.DROPPED)
 
     def admit(self, now_stamp: float, prefill_cost: Callable[[Request], int],
-              prefill_budget: float) -> list[Request]:
+              prefill_budget: float, min_admitted: int = 0) -> list[Request]:
         """Admit waiting requests by priority, then age, as far as pool and prefill budget allow.
 
         Args:
@@ -146,12 +147,16 @@ class Scheduler:
             prefill_cost: tokens the engine must prefill to start a request (0 when its prefix is
                 already cached this cycle).
             prefill_budget: tokens that may still be prefilled this cycle (``inf`` = no limit).
+            min_admitted: the guaranteed minimum: until this many requests are admitted in this
+                call, a request whose prefill exceeds the budget is admitted anyway (the pool
+                must still hold it). Such admissions are counted in :attr:`forced_admissions`.
 
         Returns:
             The admitted requests, now RUNNING with their charge committed (the engine gives them
             pages). Requests that end here (dropped, preempted) are reported by :meth:`drain_ended`.
         """
         admitted = []
+        self.forced_admissions = 0
         for request in sorted(self.waiting, key=lambda r: (-r.task.priority, r.t_arrival)):
             charge = self.charge(request)
             if charge > self.language_capacity:
@@ -163,8 +168,13 @@ class Scheduler:
             cost = prefill_cost(request)
             fits = self.committed_blocks + charge <= self.language_capacity or \
                 self._preempt_for(request, charge)
-            if fits and cost <= prefill_budget:
-                prefill_budget -= cost
+            within_budget = cost <= prefill_budget
+            if fits and (within_budget or len(admitted) < min_admitted):
+                if within_budget:
+                    prefill_budget -= cost
+                else:   # the guaranteed minimum: the budget is spent, later ones must fit in 0
+                    prefill_budget = 0.0
+                    self.forced_admissions += 1
                 self.waiting.remove(request)
                 request.status = RequestStatus.RUNNING
                 request.charged_blocks = charge

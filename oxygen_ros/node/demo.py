@@ -102,7 +102,7 @@ class DemoFollower(Node):
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
         self.create_publisher(String, "/instruction", latched).publish(String(data=instruction))
         prefix = f"/{NODE_NAME}"
-        self.chunks = self.final_utterances = self.memory_entries = 0
+        self.chunks = self.final_utterances = self.completed_utterances = self.memory_entries = 0
         self.first_chunk_time: float | None = None
         self.create_subscription(ActionChunk, f"{prefix}/action_chunk", self._on_chunk, 10)
         self.create_subscription(Speech, f"{prefix}/speech", self._on_speech, 100)
@@ -119,6 +119,7 @@ class DemoFollower(Node):
     def _on_speech(self, msg: Speech) -> None:
         if msg.final:
             self.final_utterances += 1
+            self.completed_utterances += msg.status == Speech.STATUS_COMPLETED
             self.get_logger().info(f"speech [{msg.status}] {msg.text!r}")
 
     def _on_memory(self, msg: MemoryEntry) -> None:
@@ -172,6 +173,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds to run once the first action chunk arrived [s] (default 60)")
     parser.add_argument("--startup-timeout", type=float, default=120.0,
                         help="give up when no action chunk arrived within this time [s]")
+    parser.add_argument("--min-outputs", type=int, default=0, metavar="N",
+                        help="after --duration, keep running until at least N action chunks, N "
+                             "completed utterances and N memory entries arrived (default 0: stop at "
+                             "--duration); bounded by --max-duration")
+    parser.add_argument("--max-duration", type=float, default=600.0,
+                        help="with --min-outputs: stop this many s after the first action chunk "
+                             "whatever arrived [s] (default 600)")
     parser.add_argument("--output", type=Path, default=None, help="run directory (default runs/<timestamp>)")
     parser.add_argument("--preset", default="pi05_tiny", help="model preset (default pi05_tiny)")
     parser.add_argument("--checkpoint", default="", help="local checkpoint directory (default: random weights)")
@@ -247,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
                 log.info(f"{now - follower.first_chunk_time:.0f} s: {follower.chunks} action chunks, "
                          f"{follower.final_utterances} utterances, {follower.memory_entries} memory entries")
                 next_progress += 10.0
-            if now - follower.first_chunk_time >= args.duration:
+            elapsed = now - follower.first_chunk_time
+            enough = min(follower.chunks, follower.completed_utterances,
+                         follower.memory_entries) >= args.min_outputs
+            if elapsed >= args.duration and (enough or elapsed >= args.max_duration):
                 status = 0
                 break
         follower.collect_cycles()

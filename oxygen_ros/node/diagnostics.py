@@ -34,6 +34,8 @@ class StatusWindow:
     last_error: str = ""
     frames_total: int = 0
     deadline_misses_total: int = 0
+    overloaded: int = 0
+    overloaded_total: int = 0
     dropped_requests_total: int = 0
     pool_peak_bytes: int = 0
     active_requests: int = 0
@@ -65,6 +67,8 @@ class StatusTracker:
             w.tokens += record.generated_tokens
             w.frames_total += 1
             w.deadline_misses_total += int(record.deadline_missed)
+            w.overloaded += int(record.overloaded)
+            w.overloaded_total += int(record.overloaded)
             w.dropped_requests_total += dropped_requests
             w.pool_peak_bytes = max(w.pool_peak_bytes, record.pool_used_bytes, pool_used_bytes)
             w.active_requests, w.waiting_requests = active, waiting
@@ -89,6 +93,7 @@ class StatusTracker:
             done.period_s = now - self._window_start
             self._current = StatusWindow(
                 frames_total=done.frames_total, deadline_misses_total=done.deadline_misses_total,
+                overloaded_total=done.overloaded_total,
                 dropped_requests_total=done.dropped_requests_total, pool_peak_bytes=done.pool_peak_bytes,
                 active_requests=done.active_requests, waiting_requests=done.waiting_requests)
             self._window_start = now
@@ -108,6 +113,8 @@ def engine_status_msg(w: StatusWindow, stamp: Time, horizon: int, dropped_frames
     msg.tokens_per_second = w.tokens / w.period_s if w.period_s > 0 else 0.0
     msg.frames = w.frames_total
     msg.deadline_misses = w.deadline_misses_total
+    msg.overloaded = w.overloaded > 0
+    msg.overloaded_cycles = w.overloaded_total
     msg.dropped_frames = dropped_frames
     msg.dropped_requests = w.dropped_requests_total
     msg.active_language_requests = w.active_requests
@@ -124,8 +131,9 @@ def diagnostic_array(node_name: str, hardware_id: str, lifecycle_state: str, sta
     """``/diagnostics``: one status for the engine, one for the inputs.
 
     Levels: engine ERROR when not active or a cycle failed in the period, WARN when cycles were skipped
-    (no usable observation) or the chunk rate is below half the target; inputs WARN when inputs were
-    dropped or a camera has no frame yet.
+    (no usable observation), the chunk rate is below half the target or the engine was overloaded
+    (language ran on its guaranteed minimum); inputs WARN when inputs were dropped or a camera has
+    no frame yet.
     """
     array = DiagnosticArray()
     stamp = status.header.stamp if status is not None else Time()
@@ -135,13 +143,19 @@ def diagnostic_array(node_name: str, hardware_id: str, lifecycle_state: str, sta
     if status is None or w is None:
         engine.level, engine.message = DiagnosticStatus.ERROR, f"not active ({lifecycle_state})"
     else:
+        warnings = []
+        if w.skipped:
+            warnings.append(f"{w.skipped} cycles skipped: {w.last_skip_reason}")
+        if status.chunk_rate < 0.5 * target_rate_hz:
+            warnings.append(f"chunk rate {status.chunk_rate:.2f} Hz below half the target "
+                            f"{target_rate_hz:.2f} Hz")
+        if w.overloaded:
+            warnings.append(f"overloaded: {w.overloaded} of {w.chunks} cycles had no slack for "
+                            "language, which runs on its guaranteed minimum (slower, not stopped)")
         if w.errors:
             engine.level, engine.message = DiagnosticStatus.ERROR, f"{w.errors} cycles failed: {w.last_error}"
-        elif w.skipped:
-            engine.level, engine.message = DiagnosticStatus.WARN, f"{w.skipped} cycles skipped: {w.last_skip_reason}"
-        elif status.chunk_rate < 0.5 * target_rate_hz:
-            engine.level, engine.message = DiagnosticStatus.WARN, \
-                f"chunk rate {status.chunk_rate:.2f} Hz below half the target {target_rate_hz:.2f} Hz"
+        elif warnings:
+            engine.level, engine.message = DiagnosticStatus.WARN, "; ".join(warnings)
         else:
             engine.level, engine.message = DiagnosticStatus.OK, "running"
         for slot in EngineStatus.get_fields_and_field_types():
