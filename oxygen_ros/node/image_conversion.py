@@ -28,8 +28,9 @@ encoding                                    conversion (OpenCV ``cvtColor`` code
 255/65535 with rounding to nearest, as cv_bridge's ``toCvCopy(msg, "rgb8")`` does
 (``vision_opencv`` cv_bridge: colour conversion first, then ``convertTo`` with that factor). The
 pixel conversion is OpenCV's on every machine; cv_bridge is not needed (it calls the same OpenCV
-conversions), so a robot with it and a build machine without it accept the same encodings and
-produce the same pixels.
+conversions, and its Python ``imgmsg_to_cv2`` assumes ``step`` is a whole number of pixels, so row
+padding of any other size would be misread), so a robot with it and a build machine without it
+accept the same encodings and produce the same pixels.
 
 Before any conversion the message is checked against its encoding's layout — ``width``/``height``
 non-zero (and even where the chroma is subsampled), ``step >= width * bytes per pixel`` (row padding

@@ -25,7 +25,8 @@ Topics (relative names resolve in the node's namespace; ``~`` is the node's priv
     out  ~/action_chunk            oxygen_ros/ActionChunk, reliable, depth 10, once per control cycle
     out  ~/joint_trajectory        trajectory_msgs/JointTrajectory (publish_trajectory), reliable, depth 1
     out  ~/speech                  oxygen_ros/Speech partials and finals, reliable, depth 100
-    out  ~/speech_text             std_msgs/String: the final text of completed utterances, reliable, depth 10
+    out  ~/speech_text             std_msgs/String: the final text of completed utterances that have something
+                                   to say (the others are withheld and counted), reliable, depth 10
     out  ~/memory                  oxygen_ros/MemoryEntry, reliable, depth 10
     out  ~/status                  oxygen_ros/EngineStatus, reliable, depth 10, at status_rate_hz
     out  /diagnostics              diagnostic_msgs/DiagnosticArray, reliable, depth 10, at status_rate_hz
