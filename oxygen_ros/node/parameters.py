@@ -135,7 +135,8 @@ _DECLARATIONS: dict[str, tuple] = {
 
 @dataclass(frozen=True)
 class CameraSettings:
-    """One camera input: topic, model slot, message type, QoS reliability, whether it is required."""
+    """One camera input: topic, model slot, message type, QoS reliability, whether it is required, whether
+    it accepts 16-bit single-channel images (a 16-bit grayscale camera)."""
 
     topic: str
     slot: str
