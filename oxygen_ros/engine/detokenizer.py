@@ -15,9 +15,9 @@ occur with the tokenizers of ``oxygen_ros/models/tokenizer.py``:
 :class:`IncrementalDetokenizer` decodes a short window of context tokens plus the new ones, as the
 incremental detokenizers of LLM servers do (vLLM, HF text-generation-inference: a *prefix offset*
 where the context starts and a *read offset* up to which text has been sent), and sends only text
-that is stable: never while the window ends with U+FFFD or whitespace (more tokens may still change
-it), and never text that would contradict what was sent. What it sends is therefore append-only for
-any tokenizer, and the final text is by construction the concatenation of everything sent.
+that is stable: never while the window ends with U+FFFD (an incomplete character), and never text
+that would contradict what was sent. What it sends is therefore append-only for any tokenizer, and
+the final text is by construction the concatenation of everything sent.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def is_speakable(text: str) -> bool:
 
 
 def _unstable(text: str) -> bool:
-    """Text that more tokens may still change: an incomplete multi-byte character (U+FFFD at the end)
-    or trailing whitespace (a decoder may clean it up, e.g. drop it before punctuation)."""
-    return not text or text.endswith(REPLACEMENT_CHARACTER) or text[-1].isspace()
+    """Nothing new yet, or text that more tokens will still change: an incomplete multi-byte character
+    (U+FFFD at the end)."""
+    return not text or text.endswith(REPLACEMENT_CHARACTER)
 
 
 class IncrementalDetokenizer:
@@ -68,9 +68,9 @@ class IncrementalDetokenizer:
 
     Guarantees: :meth:`add` and :meth:`finish` return deltas whose concatenation is :attr:`text`;
     every value :attr:`text` takes is a prefix of all later ones. :attr:`text` equals
-    ``decode(ids)`` whenever the tokenizer's decoding of growing prefixes only ever appends (every
-    sequence of complete characters with both tokenizers of ``oxygen_ros/models``); invalid byte
-    sequences become one U+FFFD per undecodable byte (``'café'`` + ``<0xC3>`` + ``'▁o'`` →
+    ``decode(ids)`` whenever the tokenizer's decoding of growing prefixes only ever appends once
+    characters are complete (both tokenizers of ``oxygen_ros/models``); invalid byte sequences
+    become one U+FFFD per undecodable byte (``'café'`` + ``<0xC3>`` + ``'▁o'`` →
     ``'café\\ufffd o'``, where the tiny tokenizer's ``decode`` of the whole gives
     ``'caf\\ufffd\\ufffd\\ufffd o'``).
     """
