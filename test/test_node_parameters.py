@@ -113,6 +113,41 @@ def test_kv_budget_failure_names_the_node_parameter(ros_context):
         node.destroy_node()
 
 
+def test_camera_accept_mono16_needs_one_entry_per_camera(ros_context):
+    node, ok = _configure(ros_context, camera_accept_mono16=[True])
+    try:
+        assert not ok and "camera_accept_mono16" in node.configure_error
+    finally:
+        node.destroy_node()
+
+
+def test_camera_accept_mono16_lets_a_16bit_grey_camera_through():
+    """Over DDS: the scene camera marked as 16-bit grayscale sends mono16 and 16UC1 frames, and action
+    chunks are computed from them (the wrist camera pauses: its frames carry the same stamps)."""
+    from std_msgs.msg import String
+
+    from test_node_support import Harness, wait_for
+
+    harness = Harness(tiny_parameters(control_rate_hz=4.0, camera_accept_mono16=[True, False]))
+    try:
+        harness.instruction.publish(String(data="pick up the red cube"))
+        assert wait_for(lambda: harness.node.lifecycle_state == "active", 60.0)
+        harness.publish_cam1 = False
+        for encoding in ("mono16", "16UC1"):
+            start = harness.count("chunk")
+            harness.cam0_encoding = encoding
+
+            def from_encoding() -> bool:
+                sent = harness.cam0_stamps.get(encoding, set())
+                return any((c.header.stamp.sec, c.header.stamp.nanosec) in sent
+                           for c in harness.received["chunk"][start:])
+
+            assert wait_for(from_encoding, 30.0), encoding
+        assert "unsupported_encoding" not in harness.node.input_drops()
+    finally:
+        harness.close()
+
+
 def _write(path, text):
     path.write_text(text)
     return str(path)

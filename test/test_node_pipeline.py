@@ -6,10 +6,12 @@ a drop (or reported) and that action chunks keep flowing afterwards.
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
 
+from oxygen_ros.engine.detokenizer import is_speakable
 from test_node_support import Harness, jpeg_image, publish_until, raw_image, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
@@ -79,7 +81,28 @@ def test_speech_streams_partials_then_one_final(harness):
         assert len({(m.header.stamp.sec, m.header.stamp.nanosec) for m in msgs}) == 1
         assert (msgs[0].header.stamp.sec, msgs[0].header.stamp.nanosec) in harness.sent_stamps
         assert msgs[-1].task == "speech" and msgs[-1].instruction
-    assert wait_for(lambda: harness.count("speech_text") >= 1)
+        texts = [m.text for m in msgs]      # append-only: each partial a prefix of the next and the final
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+
+
+def test_speech_text_carries_only_speakable_text_and_counts_the_rest(harness):
+    # Random weights mostly say whitespace: such utterances still end with a final Speech, but
+    # ~/speech_text (for TTS) gets only text a speech engine can say; the others are counted.
+    def completed():
+        return [s for s in list(harness.received["speech"]) if s.final and s.status == s.STATUS_COMPLETED]
+
+    assert wait_for(lambda: len(completed()) >= 3, 30.0)
+    finals = completed()
+    speakable = Counter(s.text for s in finals if is_speakable(s.text))
+    unspeakable = sum(not is_speakable(s.text) for s in finals)
+    print(f"{len(finals)} completed utterances, {unspeakable} without speakable text: "
+          f"{[s.text for s in finals][:5]}")
+    assert wait_for(lambda: not speakable - Counter(m.data for m in harness.received["speech_text"])
+                    and harness.node.speech_text_withheld() >= unspeakable)
+    assert all(is_speakable(m.data) for m in list(harness.received["speech_text"]))
+    assert wait_for(lambda: any(v.key == "speech_text_withheld" and int(v.value) >= unspeakable
+                                for status in harness.received["diagnostics"][-1].status
+                                for v in status.values), 5.0)
 
 
 def test_memory_entries_carry_an_embedding_and_the_cameras(harness):
@@ -104,8 +127,29 @@ def test_status_and_diagnostics(harness):
     assert any(name.endswith("engine") for name in names) and any(name.endswith("inputs") for name in names)
 
 
+def test_a_yuv422_yuy2_camera_produces_action_chunks(harness):
+    # usb_cam's YUYV default on the required scene camera. The wrist camera pauses (its frames carry the
+    # same stamps), so a chunk stamped like a YUYV frame was computed from that frame.
+    drops_before = harness.node.input_drops()
+    start = harness.count("chunk")
+    harness.publish_cam1 = False
+    harness.cam0_encoding = "yuv422_yuy2"
+    try:
+        def from_yuyv() -> bool:
+            sent = harness.cam0_stamps.get("yuv422_yuy2", set())
+            return any((c.header.stamp.sec, c.header.stamp.nanosec) in sent for c in harness.received["chunk"][start:])
+
+        assert wait_for(from_yuyv, 20.0)
+        assert harness.node.input_drops() == drops_before
+    finally:
+        harness.cam0_encoding = "rgb8"
+        harness.publish_cam1 = True
+    assert harness.chunks_flow()
+
+
 @pytest.mark.parametrize("reason, message", [
-    ("unsupported_encoding", lambda: raw_image(encoding="16UC1", step=64)),
+    ("unsupported_encoding", lambda: raw_image(encoding="16UC1", step=64)),   # depth on an RGB slot
+    ("unsupported_encoding", lambda: raw_image(encoding="32FC1", step=128)),
     ("bad_data_length", lambda: raw_image(data=bytes(100))),
     ("zero_size", lambda: raw_image(height=0, width=0, data=b"")),
     ("bad_step", lambda: raw_image(step=10, data=bytes(240))),

@@ -63,11 +63,14 @@ def publish_until(publish, condition, timeout: float = 5.0, interval: float = 0.
 
 
 def raw_image(height=24, width=32, encoding="rgb8", step=None, stamp=None, data=None):
-    """A ``sensor_msgs/Image`` of random pixels (``step`` defaults to the unpadded row size)."""
+    """A ``sensor_msgs/Image`` of random pixels (``step`` defaults to the unpadded row size of a packed
+    encoding of oxygen_ros/node/image_conversion.py, 3 bytes per pixel for unknown ones)."""
     from sensor_msgs.msg import Image
 
-    channels = {"rgb8": 3, "bgr8": 3, "rgba8": 4, "bgra8": 4, "mono8": 1}.get(encoding, 3)
-    step = width * channels if step is None else step
+    from oxygen_ros.node.image_conversion import ENCODINGS
+
+    known = ENCODINGS.get(encoding.lower())
+    step = width * (3 if known is None else known.bytes_per_pixel) if step is None else step
     if data is None:
         data = np.random.default_rng(0).integers(0, 256, height * step, dtype=np.uint8).tobytes()
     msg = Image(height=height, width=width, encoding=encoding, step=step, data=data)
@@ -147,6 +150,8 @@ class Harness:
             qos = QoSProfile(depth=depth, reliability=ReliabilityPolicy.RELIABLE)
             self.robot.create_subscription(msg_type, topic, lambda msg, name=name: self._record(name, msg), qos)
         self.publish_cam0 = True
+        self.cam0_encoding = "rgb8"     # encoding of the scene camera's raw frames
+        self.cam0_stamps: dict[str, set[tuple[int, int]]] = {}     # encoding -> stamps of frames sent
         self.publish_cam1 = True
         self.publish_joints = True
         self.zero_stamps = False
@@ -193,7 +198,8 @@ class Harness:
         stamp = Time() if self.zero_stamps else Time(sec=nanoseconds // 10**9, nanosec=nanoseconds % 10**9)
         self.sent_stamps.add((stamp.sec, stamp.nanosec))
         if self.publish_cam0:
-            self.cam0.publish(raw_image(stamp=stamp))
+            self.cam0.publish(raw_image(encoding=self.cam0_encoding, stamp=stamp))
+            self.cam0_stamps.setdefault(self.cam0_encoding, set()).add((stamp.sec, stamp.nanosec))
         if self.publish_cam1:
             self.cam1.publish(jpeg_image(stamp=stamp))
         if self.publish_joints:

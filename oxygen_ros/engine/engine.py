@@ -34,6 +34,7 @@ import torch
 
 from oxygen_ros.engine.block_pool import BlockPool
 from oxygen_ros.engine.config import EngineConfig, TaskConfig
+from oxygen_ros.engine.detokenizer import IncrementalDetokenizer
 from oxygen_ros.engine.kv_cache_manager import KVCacheManager
 from oxygen_ros.engine.metrics import PHASES, CycleRecord, EngineMetrics, RequestRecord
 from oxygen_ros.engine.model_runner import ModelRunner, PrefillRow, Processor, WorkCounters
@@ -556,20 +557,27 @@ class Engine:
             self._append_token(request, token)
 
     def _append_token(self, request: Request, token: int) -> None:
-        """Record a sampled token, stream its text, and finish the request when it is done."""
+        """Record a sampled token, stream its text, and finish the request when it is done.
+
+        The text goes through the request's :class:`IncrementalDetokenizer` (a trailing stop token
+        is not text): a partial event carries the text that became stable, none is sent while the
+        text is held back, and ``request.text`` is always the concatenation of the deltas sent.
+        """
         request.output_ids.append(token)
         self._cycle_tokens += 1
         eos = self._model_cfg.eos_token_id
-        if request.is_done(eos):
+        if request.detokenizer is None:
+            request.detokenizer = IncrementalDetokenizer(self._processor.detokenize)
+        done = request.is_done(eos)
+        if not (done and token in request.stop_tokens(eos)):
+            request.detokenizer.add(token)
+        if done:
             # The final event (from _report_ended) carries the last delta and the whole text.
             self._scheduler.finish(request, RequestStatus.COMPLETED)
             return
-        text = self._processor.detokenize(request.text_ids(eos))
-        if text.endswith("\ufffd"):   # an incomplete multi-byte character: wait for the rest
-            return
-        delta = text[len(request.text):] if text.startswith(request.text) else text
-        request.text = text
-        if delta:
+        text = request.detokenizer.text
+        if len(text) > len(request.text):
+            delta, request.text = text[len(request.text):], text
             self._events.append(self._event(request, delta, final=False))
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -608,11 +616,14 @@ class Engine:
 
     def _report_ended(self) -> None:
         """Final events, memory entries and records of requests that ended."""
-        eos = self._model_cfg.eos_token_id
         for request in self._scheduler.drain_ended():
-            full = self._processor.detokenize(request.text_ids(eos)) if request.output_ids else ""
-            delta = full[len(request.text):] if full.startswith(request.text) else full
-            request.text = full
+            # The held-back text ends the stream: the final delta makes the deltas add up to the text.
+            if request.detokenizer is not None:
+                request.detokenizer.finish()
+                full = request.detokenizer.text
+            else:
+                full = ""
+            delta, request.text = full[len(request.text):], full
             self._events.append(self._event(request, delta, final=True))
             if request.task.kind == "memory" and request.status == RequestStatus.COMPLETED:
                 embedding = None if request.pooled is None else \

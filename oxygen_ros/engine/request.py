@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from oxygen_ros.engine.config import TaskConfig
+from oxygen_ros.engine.detokenizer import IncrementalDetokenizer
 from oxygen_ros.engine.kv_cache_manager import KVSequence
 from oxygen_ros.engine.types import RequestStatus
 
@@ -35,7 +36,9 @@ class Request:
         output_ids: generated tokens; the last one is fed to the next decode step.
         next_logits: fp32 ``[V]`` logits that sample the next token (from prefill or decode step).
         generator: per-request ``torch.Generator`` for temperature sampling (None for greedy).
-        text: detokenized text so far.
+        text: the text streamed so far (the concatenation of the request's event deltas).
+        detokenizer: the request's incremental detokenizer, created with its first token; its
+            ``text`` may run ahead of ``text`` by text not yet streamed.
         t_arrival, t_first_token, t_finish: ``time.perf_counter()`` instants (s).
         pooled: pooled prefix hidden state (memory tasks), or None.
     """
@@ -57,6 +60,7 @@ class Request:
     next_logits: torch.Tensor | None = None
     generator: torch.Generator | None = None
     text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None
     t_first_token: float | None = None
     t_finish: float | None = None
     pooled: torch.Tensor | None = None

@@ -25,7 +25,8 @@ Topics (relative names resolve in the node's namespace; ``~`` is the node's priv
     out  ~/action_chunk            oxygen_ros/ActionChunk, reliable, depth 10, once per control cycle
     out  ~/joint_trajectory        trajectory_msgs/JointTrajectory (publish_trajectory), reliable, depth 1
     out  ~/speech                  oxygen_ros/Speech partials and finals, reliable, depth 100
-    out  ~/speech_text             std_msgs/String: the final text of completed utterances, reliable, depth 10
+    out  ~/speech_text             std_msgs/String: the final text of completed utterances that have something
+                                   to say (the others are withheld and counted), reliable, depth 10
     out  ~/memory                  oxygen_ros/MemoryEntry, reliable, depth 10
     out  ~/status                  oxygen_ros/EngineStatus, reliable, depth 10, at status_rate_hz
     out  /diagnostics              diagnostic_msgs/DiagnosticArray, reliable, depth 10, at status_rate_hz
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 
 import rclpy
 from builtin_interfaces.msg import Time
-from diagnostic_msgs.msg import DiagnosticArray
+from diagnostic_msgs.msg import DiagnosticArray, KeyValue
 from oxygen_ros.msg import ActionChunk as ActionChunkMsg
 from oxygen_ros.msg import EngineStatus, MemoryEntry, Speech
 from rclpy.event_handler import QoSRequestedIncompatibleQoSInfo, SubscriptionEventCallbacks
@@ -55,6 +56,7 @@ from std_msgs.msg import String
 from trajectory_msgs.msg import JointTrajectory
 
 from oxygen_ros.engine import ActionChunk, Engine, RequestStatus
+from oxygen_ros.engine.detokenizer import is_speakable
 from oxygen_ros.node import conversions
 from oxygen_ros.node.diagnostics import StatusTracker, diagnostic_array, engine_status_msg
 from oxygen_ros.node.image_conversion import ImageConversionError, compressed_to_rgb, image_to_rgb
@@ -119,6 +121,7 @@ class OxygenNode(LifecycleNode):
         self._session = ""
         self._observations: OrderedDict[int, _ObservationInfo] = OrderedDict()
         self._utterance_sequence: dict[int, int] = {}
+        self._speech_text_withheld = 0      # completed utterances without speakable text, since activation
         self._cycle_error_warner = DropCounter(self.get_logger().error)
         self._configure_error: str | None = None
         self._autostart_failed: str | None = None
@@ -143,6 +146,11 @@ class OxygenNode(LifecycleNode):
     def input_drops(self) -> dict[str, int]:
         """Dropped inputs by reason since activation (``unsupported_encoding``, ``joint_state_nan`` ...)."""
         return self._drops.counts()
+
+    def speech_text_withheld(self) -> int:
+        """Completed utterances since activation whose text was not published on ``~/speech_text``
+        because it had nothing to say (empty, whitespace, control or replacement characters only)."""
+        return self._speech_text_withheld
 
     def skipped_cycles(self) -> int:
         """Control cycles since activation that had no usable observation (no chunk published)."""
@@ -205,6 +213,7 @@ class OxygenNode(LifecycleNode):
         self._inputs.clear()
         self._drops.reset()
         self._skips.reset()
+        self._speech_text_withheld = 0
         self._status.reset()
         self._stop.clear()
         self._active = True
@@ -352,7 +361,7 @@ class OxygenNode(LifecycleNode):
         if not self._active:
             return
         try:
-            image = image_to_rgb(msg) if camera.transport == "raw" else compressed_to_rgb(msg)
+            image = image_to_rgb(msg, camera.accept_mono16) if camera.transport == "raw" else compressed_to_rgb(msg)
         except ImageConversionError as error:
             self._drops.drop(error.reason, f"{camera.topic}: {error}")
             return
@@ -459,12 +468,23 @@ class OxygenNode(LifecycleNode):
                 self._utterance_sequence[event.request_id] = sequence + 1
             self._speech_pub.publish(conversions.speech_msg(
                 event, info.stamp, f"{self._session}-{event.request_id}", sequence, info.instruction))
-            if event.final and event.status == RequestStatus.COMPLETED and event.text:
-                self._speech_text_pub.publish(String(data=event.text))
+            if event.final and event.status == RequestStatus.COMPLETED:
+                self._publish_speech_text(event)
         for entry in memories:
             info = self._info(entry.seq, entry.stamp)
             self._memory_pub.publish(conversions.memory_entry_msg(
                 entry, info.stamp, f"{self._session}-{entry.request_id}", info.camera_slots, info.instruction))
+
+    def _publish_speech_text(self, event) -> None:
+        """``~/speech_text`` gets a completed utterance's text only when a TTS can say it."""
+        if is_speakable(event.text):
+            self._speech_text_pub.publish(String(data=event.text))
+            return
+        self._speech_text_withheld += 1
+        self.get_logger().warning(
+            f"speech_text withheld: utterance {self._session}-{event.request_id} has nothing to say "
+            f"({event.text[:40]!r}); {self._speech_text_withheld} withheld since activation",
+            throttle_duration_sec=5.0)
 
     # ---- status (executor thread) -------------------------------------------------------------
 
@@ -480,9 +500,12 @@ class OxygenNode(LifecycleNode):
             status = engine_status_msg(window, now_msg, engine.metrics_records.action_horizon, self._drops.total(),
                                        pool.used_bytes, pool.num_blocks * pool.bytes_per_block)
             self._status_pub.publish(status)
-        self._diagnostics_pub.publish(diagnostic_array(
+        diagnostics = diagnostic_array(
             self.get_fully_qualified_name(), settings.model_id, self._lifecycle_state, status, window,
-            self._drops.counts(), inputs.frame_ages(now_s), settings.control_rate_hz))
+            self._drops.counts(), inputs.frame_ages(now_s), settings.control_rate_hz)
+        diagnostics.status[0].values.append(KeyValue(key="speech_text_withheld",
+                                                     value=str(self._speech_text_withheld)))
+        self._diagnostics_pub.publish(diagnostics)
 
 
 def _error_line(error: BaseException) -> str:

@@ -3,7 +3,8 @@
 Every parameter is declared with a :class:`ParameterDescriptor` (description, range, read-only where a
 change needs a reconfigure: model, topics, camera slots, rates, engine). Arrays are typed ROS arrays
 (``string[]``, ``bool[]``), never comma-separated strings. Per-camera arrays (``camera_slots``,
-``camera_transports``, ``camera_reliability``, ``camera_required``) are parallel to ``camera_topics``.
+``camera_transports``, ``camera_reliability``, ``camera_required``, and ``camera_accept_mono16``, which may
+also be empty) are parallel to ``camera_topics``.
 
 Read-only parameters are read once, in ``configure``; the rest (``staleness_limit_s``,
 ``max_instruction_chars``) may be changed at run time with ``ros2 param set``.
@@ -77,6 +78,9 @@ _DECLARATIONS: dict[str, tuple] = {
                            "QoS) or reliable", {}, True),
     "camera_required": ([True], "per camera: true = a stale or missing frame skips the cycle (no new action "
                         "chunk); false = the slot is masked", {}, True),
+    "camera_accept_mono16": (Parameter.Type.BOOL_ARRAY, "per camera: true = a 16-bit grayscale camera, accept "
+                             "mono16 / 16UC1 (scaled to 8 bits); empty = false for every camera (a depth "
+                             "image is dropped as unsupported_encoding)", {}, True),
     "staleness_limit_s": (0.5, "frames and joint states received longer ago than this (node clock) are not "
                           "used [s]", {"floating_point_range": _float_range(0.001, 3600.0)}, False),
     "instruction_topic": ("instruction", "std_msgs/String instruction topic (reliable, transient local, "
@@ -131,13 +135,15 @@ _DECLARATIONS: dict[str, tuple] = {
 
 @dataclass(frozen=True)
 class CameraSettings:
-    """One camera input: topic, model slot, message type, QoS reliability, whether it is required."""
+    """One camera input: topic, model slot, message type, QoS reliability, whether it is required, whether
+    it accepts 16-bit single-channel images (a 16-bit grayscale camera)."""
 
     topic: str
     slot: str
     transport: str
     reliability: str
     required: bool
+    accept_mono16: bool = False
 
 
 @dataclass(frozen=True)
@@ -253,11 +259,16 @@ def read_settings(node: Node) -> NodeSettings:
         raise ValueError(f"parameter checkpoint: preset {v['preset']} is a full-size model and no checkpoint is "
                          "given; set checkpoint to a local checkpoint directory (random weights are only for "
                          "the tiny presets; allow_random_weights: true forces them, with meaningless actions)")
+    mono16 = list(v["camera_accept_mono16"]) or [False] * len(topics)
+    if len(mono16) != len(topics):
+        raise ValueError(f"parameter camera_accept_mono16: {len(mono16)} entries, camera_topics has {len(topics)} "
+                         "(or leave it empty)")
     cameras = tuple(CameraSettings(topic, slot, _choice("camera_transports", transport, TRANSPORTS),
-                                   _choice("camera_reliability", reliability, RELIABILITIES), bool(required))
-                    for topic, slot, transport, reliability, required in
+                                   _choice("camera_reliability", reliability, RELIABILITIES), bool(required),
+                                   bool(accept_mono16))
+                    for topic, slot, transport, reliability, required, accept_mono16 in
                     zip(topics, v["camera_slots"], v["camera_transports"], v["camera_reliability"],
-                        v["camera_required"]))
+                        v["camera_required"], mono16))
     joint_names = tuple(v["joint_names"])
     if not joint_names:
         raise ValueError("parameter joint_names: list the joints of the robot state (pi0/pi0.5 read the state)")
