@@ -117,6 +117,27 @@ def test_settings_contradicting_the_checkpoint_or_family_fail_naming_both(ros_co
     assert "camera_required" in error and "left_wrist_0_rgb" in error and "wrist_image_left" in error
 
 
+def test_a_lerobot_checkpoint_directory_brings_its_conventions_and_statistics(ros_context, tmp_path):
+    from rclpy.lifecycle import TransitionCallbackReturn
+
+    from oxygen_ros.models import load_model, save_checkpoint
+    from oxygen_ros.node.oxygen_node import OxygenNode
+
+    save_checkpoint(load_model("pi05_tiny"), tmp_path, layout="lerobot")
+    _lerobot_checkpoint(tmp_path, "pi05", relative=True)    # chunk_size 20, 8-D state, 7 actions, quantiles
+    node = OxygenNode(context=ros_context, parameter_overrides=tiny_parameters(
+        autostart=False, checkpoint=str(tmp_path), joint_names=[f"j{i}" for i in range(8)], action_dim=0,
+        trajectory_joint_names=["action_0"]))
+    try:
+        assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS, node.configure_error
+        conv = node._settings.conventions
+        assert (conv.name, conv.action_horizon, conv.action_norm.mode, conv.delta_mask) == \
+            ("lerobot/pi05", 20, "quantile", (True,) * 6 + (False,))
+        assert node._settings.action_dim == 7 and node.engine.metrics_records.action_horizon == 20
+    finally:
+        node.destroy_node()
+
+
 def test_non_finite_statistics_fail_configure(ros_context, tmp_path):
     stats = {"norm_stats": {"state": {"mean": [0.0] * 7, "std": [1.0] * 7, "q01": [-1.0] * 7, "q99": [1.0] * 7},
                             "actions": {"mean": [0.0] * 7, "std": [1.0] * 7, "q01": [-1.0] * 7,
@@ -223,3 +244,44 @@ def test_droid_round_trip_unnormalises_and_slices_to_the_robot(tmp_path):
         assert harness.count("trajectory") == 0
     finally:
         harness.close()
+
+
+def test_statistics_come_from_the_checkpoint_or_fail_saying_what_is_missing(tmp_path):
+    """openpi's assets/<asset>/norm_stats.json of the named family; another robot's, several without a
+    family, none at all, or a norm_stats_path that disagrees: one-line errors naming the files."""
+    from types import SimpleNamespace
+
+    from oxygen_ros.models import get_conventions
+    from oxygen_ros.models.conventions import variant_defaults
+    from oxygen_ros.node.model_loading import load_statistics
+
+    def stats(q01=-1.0):
+        entry = {"mean": [0.0] * 8, "std": [1.0] * 8, "q01": [q01] * 8, "q99": [1.0] * 8}
+        return json.dumps({"norm_stats": {"state": entry, "actions": entry}})
+
+    def checkpoint(name, assets):
+        for asset in assets:
+            (tmp_path / name / "assets" / asset).mkdir(parents=True)
+            (tmp_path / name / "assets" / asset / "norm_stats.json").write_text(stats())
+        (tmp_path / name).mkdir(exist_ok=True)
+        return str(tmp_path / name)
+
+    droid = get_conventions("openpi/pi05_droid")
+    found = load_statistics(SimpleNamespace(checkpoint=checkpoint("ok", ["droid"]), norm_stats_path="",
+                                            conventions=droid))
+    assert found["actions"].q01.tolist() == [-1.0] * 8
+    (tmp_path / "other.json").write_text(stats(q01=-2.0))
+    cases = [
+        (checkpoint("none", []), "", droid, ["carries no normalisation statistics", "assets/droid/norm_stats.json"]),
+        (checkpoint("trossen", ["trossen"]), "", droid, ["expects assets/droid/norm_stats.json", "trossen"]),
+        (checkpoint("two", ["droid", "trossen"]), "", variant_defaults("pi05", 50, 200),
+         ["['droid', 'trossen']", "conventions"]),
+        (checkpoint("differs", ["droid"]), str(tmp_path / "other.json"), droid,
+         ["norm_stats_path", "other.json", "differs", "assets/droid/norm_stats.json", "q01"]),
+    ]
+    for directory, path, conv, words in cases:
+        with pytest.raises(ValueError) as error:
+            load_statistics(SimpleNamespace(checkpoint=directory, norm_stats_path=path, conventions=conv))
+        assert "\n" not in str(error.value)
+        for word in words:
+            assert word in str(error.value), (directory, str(error.value))
