@@ -305,6 +305,14 @@ class Conventions:
         s, a = self.state_norm.mode, self.action_norm.mode
         return s if s == a else f"state:{s}/actions:{a}"
 
+    def describe(self) -> str:
+        """One line for logs: name, origin, horizon, normalisation, prompt, deltas, adaptation."""
+        prompt = "state in the prompt" if self.action_prompt.has_state else repr(self.action_prompt.template)
+        delta = [i for i, d in enumerate(self.delta_mask) if d]
+        return (f"{self.name} (from {self.source}): H {self.action_horizon}, {self.norm_mode} normalisation, "
+                f"prompt {prompt}, delta dims {delta or 'none'}, "
+                f"{'ALOHA adaptation' if self.adaptation else 'no robot adaptation'}, resize {self.image_resize}")
+
     def camera(self, slot: str) -> CameraSpec | None:
         """The spec of ``slot``, None if the family never uses it."""
         return next((c for c in self.cameras if c.slot == slot), None)

@@ -280,6 +280,7 @@ def read_settings(node: Node) -> NodeSettings:
     if len(set(joint_names)) != len(joint_names):
         raise ValueError(f"parameter joint_names: names must be unique, got {list(joint_names)}")
     conventions = _conventions(v, joint_names, cameras)
+    node.get_logger().info(f"conventions {conventions.describe()}")
     action_dim = conventions.action_dim or len(joint_names)
     action_names = tuple(v["action_names"])
     if not action_names:
