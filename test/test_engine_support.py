@@ -42,7 +42,7 @@ class ByteProcessor:
             padded[:len(state)] = torch.from_numpy(state)
         return padded
 
-    def actions_out(self, actions):
+    def actions_out(self, actions, state):
         return actions.float().cpu().numpy()
 
 

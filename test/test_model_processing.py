@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from oxygen_ros.models import NormStats, RobotConfig, get_preset, get_robot, load_norm_stats
+from oxygen_ros.models import NormStats, RobotConfig, get_conventions, get_preset, get_robot, load_norm_stats
 from oxygen_ros.models.config import save_norm_stats
+from oxygen_ros.models.conventions import Normalization, variant_defaults
 from oxygen_ros.models.processing import (ACTION_PROMPT, LANGUAGE_PROMPT, Processor, build_prompt_tokens,
-                                          discretize_state, normalize, pad_to, resize_with_pad, unnormalize)
+                                          discretize_state, pad_to, resize_with_pad)
 from oxygen_ros.models.tokenizer import TinyTokenizer, load_tokenizer
 
 
@@ -46,26 +47,27 @@ def test_square_224_image_is_only_scaled():
 def test_normalisation_round_trip_and_discretisation():
     stats = _stats(7)
     x = np.random.default_rng(1).normal(size=(5, 7))
-    for mode in ("quantile", "mean_std"):
-        assert np.allclose(unnormalize(normalize(x, stats, mode), stats, mode), x)
-    assert np.allclose(normalize(stats.q99, stats, "quantile"), 1.0, atol=1e-5)
-    assert discretize_state(np.array([-1.5, -1.0, 0.0, 0.999, 1.0, 2.0])).tolist() == [0, 0, 128, 255, 255, 255]
-    with pytest.raises(ValueError, match="q01"):
-        normalize(x, NormStats(mean=stats.mean, std=stats.std), "quantile")
+    for mode in ("quantile", "mean_std", "identity"):
+        norm = Normalization(mode)
+        assert np.allclose(norm.unnormalize(norm.normalize(x, stats), stats), x)
+    assert np.allclose(Normalization("quantile").normalize(stats.q99, stats), 1.0, atol=1e-5)
+    # Not clipped: below -1 is bin -1 (openpi / LeRobot digitize - 1).
+    assert discretize_state(np.array([-1.5, -1.0, 0.0, 0.999, 1.0, 2.0])).tolist() == [-1, 0, 128, 255, 255, 255]
 
 
 def test_state_and_actions_padded_to_32_and_sliced_back():
     config = get_preset("pi0_tiny")
-    robot = RobotConfig("arm7", state_dim=7, action_dim=7, camera_slots=("base_0_rgb",), norm_mode="mean_std")
+    robot = RobotConfig("arm7", state_dim=7, action_dim=7, camera_slots=("base_0_rgb",))
     stats = {"state": _stats(7, 1), "actions": _stats(7, 2)}
     proc = Processor(config, robot, TinyTokenizer(config.vocab_size), stats)
+    assert proc.conventions.state_norm.mode == proc.conventions.action_norm.mode == "mean_std"   # π0 default
     state = np.arange(7.0)
     model_state = proc.model_state(state)
     assert model_state.shape == (32,) and torch.all(model_state[7:] == 0)
     actions = np.random.default_rng(3).normal(size=(10, 7))
-    padded = torch.as_tensor(pad_to(normalize(actions, stats["actions"], "mean_std"), 32))
+    padded = torch.as_tensor(pad_to(Normalization("mean_std").normalize(actions, stats["actions"]), 32))
     assert padded.shape == (10, 32)
-    assert np.allclose(proc.actions(padded), actions)
+    assert np.allclose(proc.robot_actions(padded, state), actions)
     with pytest.raises(ValueError, match="exceeds"):
         pad_to(np.zeros(40), 32)
     with pytest.raises(ValueError, match="exceed"):  # π0's state projection takes 32 inputs
@@ -82,13 +84,14 @@ def test_pi05_keeps_a_40_dim_state_whole_in_the_prompt_and_slices_7_dim_actions(
     state = np.linspace(-2.0, 2.0, 40)
     normalized = proc.normalized_state(state)
     assert normalized.shape == (40,)
+    assert proc.conventions.action_norm.mode == "quantile"   # π0.5 default
     text = tok.decode(proc.prompt_tokens("stack", state))
     bins = " ".join(str(b) for b in discretize_state(normalized))
     assert text == ACTION_PROMPT.format(instruction="stack", state=bins) and len(bins.split()) == 40
     assert proc.model_state(state) is None
     actions = np.random.default_rng(4).normal(size=(10, 7))
-    padded = torch.as_tensor(pad_to(normalize(actions, proc.norm_stats["actions"], robot.norm_mode), 32))
-    assert np.allclose(proc.actions(padded), actions)
+    padded = torch.as_tensor(pad_to(Normalization("quantile").normalize(actions, proc.norm_stats["actions"]), 32))
+    assert np.allclose(proc.robot_actions(padded, state), actions)
 
 
 def test_pi05_action_prompt_carries_discretised_state():
@@ -98,8 +101,10 @@ def test_pi05_action_prompt_carries_discretised_state():
     state = _stats(8).mean
     text = tok.decode(proc.prompt_tokens("pick_up the\ncube ", state))
     normalized = proc.normalized_state(state)
-    assert normalized.shape == (32,) and np.allclose(normalized[:8], 0.0, atol=1e-5) and np.all(normalized[8:] == 0)
+    # The robot's own 8 numbers, not padded to 32 (openpi tokenises the state before PadStatesAndActions).
+    assert normalized.shape == (8,) and np.allclose(normalized, 0.0, atol=1e-5)
     bins = " ".join(str(b) for b in discretize_state(normalized))
+    assert len(bins.split()) == 8
     assert text == ACTION_PROMPT.format(instruction="pick up the cube", state=bins)
     assert tok.decode(proc.prompt_tokens("pick up the cube", task="language")) == \
         LANGUAGE_PROMPT.format(instruction="pick up the cube")

@@ -105,9 +105,11 @@ class Harness:
         parameter_overrides: the node's parameters (see :func:`tiny_parameters`).
         publish_hz: rate of the robot side's camera / joint-state streams [Hz].
         cam1_reliable: whether the robot side's wrist-camera publisher is reliable.
+        joint_names: names of the published joint states (positions: :attr:`joint_positions`).
     """
 
-    def __init__(self, parameter_overrides, publish_hz: float = 10.0, cam1_reliable: bool = True):
+    def __init__(self, parameter_overrides, publish_hz: float = 10.0, cam1_reliable: bool = True,
+                 joint_names=tuple(JOINTS)):
         import rclpy
         from rclpy.context import Context
         from rclpy.executors import SingleThreadedExecutor
@@ -155,6 +157,7 @@ class Harness:
         self.publish_cam1 = True
         self.publish_joints = True
         self.zero_stamps = False
+        self.joint_names = list(joint_names)
         self.joint_positions = [0.1, -0.2, 0.3, -0.4, 0.5, -0.6, 0.02]
         self.sent_stamps: set[tuple[int, int]] = set()
         self._frame_index = 0
@@ -203,7 +206,7 @@ class Harness:
         if self.publish_cam1:
             self.cam1.publish(jpeg_image(stamp=stamp))
         if self.publish_joints:
-            self.joints.publish(JointState(name=JOINTS, position=self.joint_positions))
+            self.joints.publish(JointState(name=self.joint_names, position=self.joint_positions))
 
     def change_state(self, label: str, timeout: float = 30.0) -> bool:
         """Request lifecycle transition ``label`` (configure, activate, deactivate, cleanup, shutdown)

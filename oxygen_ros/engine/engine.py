@@ -308,7 +308,7 @@ class Engine:
         actions = self._denoise(node, obs)
         if isolated:
             self._tree.clear()
-        chunk = ActionChunk(self._processor.actions_out(actions[0]), obs.seq, obs.stamp,
+        chunk = ActionChunk(self._processor.actions_out(actions[0], obs.state), obs.seq, obs.stamp,
                             time.perf_counter() - t0)
         if on_action is not None:
             on_action(chunk)

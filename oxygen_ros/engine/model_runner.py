@@ -42,8 +42,10 @@ class Processor(Protocol):
         """Normalised, padded float32 state ``[action_dim]`` for models that take a continuous state
         token (π0); None for models that read the state in the prompt (π0.5)."""
 
-    def actions_out(self, actions: torch.Tensor) -> np.ndarray:
-        """Model actions ``[H, action_dim]`` -> float32 robot actions (unnormalised, sliced)."""
+    def actions_out(self, actions: torch.Tensor, state: np.ndarray | None) -> np.ndarray:
+        """Model actions ``[H, action_dim]`` and the state of the observation they were computed from
+        -> float32 robot actions (unnormalised, delta dimensions made absolute against that state,
+        robot adaptation, sliced)."""
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The engine's :class:`~oxygen_ros.engine.model_runner.Processor` over ``oxygen_ros.models``.
 
-Wraps the models package's processing (openpi's resize-with-pad, normalisation, state
-discretisation, prompt building with deliberate truncation, tokenizer) so that ROS-free callers
-(benchmarks, notebooks) and the node build engines the same way.
+Wraps the models package's processing (the checkpoint family's resize-with-pad, robot adaptation,
+normalisation, state discretisation, prompt layouts and action post-processing, the tokenizer) so that
+ROS-free callers (benchmarks, notebooks) and the node build engines the same way.
 """
 
 from __future__ import annotations
@@ -12,24 +12,39 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from oxygen_ros.models.processing import (Processor, build_prompt_tokens, discretize_state,
-                                          resize_with_pad)
+from oxygen_ros.models.conventions import PromptLayout
+from oxygen_ros.models.processing import Processor, build_prompt_tokens, resize_with_pad
 
 
 class ModelProcessor:
     """Implements the engine's processor protocol with a models-package :class:`Processor`.
 
+    Prompt templates are matched to the family's layouts: the template of its action prompt or of its
+    language prompt gets that layout (cleaning, separately tokenised parts, truncation); any other
+    template (a node's own speech or memory prompt) gets openpi's cleaning and keeps its trailing
+    anchor when cut.
+
     Args:
-        processor: model + robot processing (tokenizer, norm stats, dimensions).
+        processor: model + robot + family processing (tokenizer, norm stats, conventions).
     """
 
     def __init__(self, processor: Processor):
         self._processor = processor
         self._config = processor.config
+        conv = processor.conventions
+        self._layouts = {conv.language_prompt.template: conv.language_prompt,
+                         conv.action_prompt.template: conv.action_prompt}
+
+    @property
+    def processor(self) -> Processor:
+        """The models-package processor (conventions, norm stats, tokenizer)."""
+        return self._processor
 
     def images_to_pixels(self, images: Sequence[np.ndarray]) -> torch.Tensor:
-        """uint8 ``[H, W, 3]`` images (any sizes) -> fp32 ``[N, 3, 224, 224]`` in [-1, 1]."""
-        return torch.stack([resize_with_pad(image, self._config.image_size) for image in images])
+        """uint8 ``[H, W, 3]`` images (any sizes) -> fp32 ``[N, 3, 224, 224]`` in [-1, 1], resized as the
+        family resizes."""
+        method = self._processor.conventions.image_resize
+        return torch.stack([resize_with_pad(image, self._config.image_size, method) for image in images])
 
     def prompt_ids(self, template: str, instruction: str, state: np.ndarray | None) -> list[int]:
         """BOS + tokens of ``template``; ``{state}`` gets the discretised, normalised state.
@@ -37,13 +52,12 @@ class ModelProcessor:
         Raises:
             ValueError: the template has ``{state}`` and ``state`` is None or of a wrong dimension.
         """
-        bins = None
-        if "{state}" in template:
-            if state is None:
-                raise ValueError("the prompt template has {state} but the observation has no state")
-            bins = discretize_state(self._processor.normalized_state(state))
-        return build_prompt_tokens(self._processor.tokenizer, instruction, template,
-                                   self._config.max_token_len, bins)
+        layout = self._layouts.get(template) or PromptLayout(template, truncation="instruction")
+        if layout.has_state and state is None:
+            raise ValueError("the prompt template has {state} but the observation has no state")
+        bins = self._processor.state_bins(state) if layout.has_state else None
+        return build_prompt_tokens(self._processor.tokenizer, instruction, layout,
+                                   self._processor.conventions.max_token_len, bins)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Text of generated token ids."""
@@ -55,6 +69,11 @@ class ModelProcessor:
             return None
         return self._processor.model_state(state)
 
-    def actions_out(self, actions: torch.Tensor) -> np.ndarray:
-        """Model actions ``[H, 32]`` -> float32 robot actions ``[H, action_dim]`` (unnormalised)."""
-        return self._processor.actions(actions).astype(np.float32)
+    def actions_out(self, actions: torch.Tensor, state: np.ndarray | None) -> np.ndarray:
+        """Model actions ``[H, 32]`` and the state they were computed from -> float32 robot actions
+        ``[H, action_dim]`` (unnormalised, delta dimensions made absolute, robot adaptation applied).
+
+        Raises:
+            ValueError: a family with delta actions and no state.
+        """
+        return self._processor.robot_actions(actions, state).astype(np.float32)

@@ -90,8 +90,23 @@ def _external_name(name: str, layout: str) -> list[str]:
     return [lead + name]
 
 
+def _processor_state_files(directory: Path) -> set[str]:
+    """Names of the safetensors files a LeRobot processor pipeline (``policy_preprocessor.json``, ...)
+    keeps its state in (normalisation statistics, not weights)."""
+    names = set()
+    for path in directory.glob("*.json"):
+        try:
+            steps = json.loads(path.read_text()).get("steps", [])
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(steps, list):
+            names |= {step["state_file"] for step in steps if isinstance(step, dict) and step.get("state_file")}
+    return names
+
+
 def read_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the ``*.safetensors`` files in ``checkpoint_dir`` (local only).
+    """All tensors of the ``*.safetensors`` files in ``checkpoint_dir`` (local only), except the state
+    files of LeRobot processor pipelines (their statistics are read by ``conventions.py``).
 
     Raises:
         FileNotFoundError: no such directory or no safetensors file in it.
@@ -100,7 +115,8 @@ def read_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {directory}")
-    files = sorted(directory.glob("*.safetensors"))
+    skipped = _processor_state_files(directory)
+    files = sorted(p for p in directory.glob("*.safetensors") if p.name not in skipped)
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {directory}")
     tensors: dict[str, torch.Tensor] = {}

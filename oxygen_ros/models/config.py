@@ -154,25 +154,24 @@ def get_preset(name: str, **overrides) -> VLAConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RobotConfig:
-    """One robot's interface to the policy.
+    """One robot's interface to the policy: its dimensions and camera slots.
+
+    How its data is normalised, prompted and adapted is the checkpoint family's business
+    (:class:`oxygen_ros.models.conventions.Conventions`).
 
     Attributes:
         name: robot / dataset name.
         state_dim: proprioceptive state dimension before padding.
         action_dim: action dimension after slicing the padded model output.
         camera_slots: camera names in the order the model sees them (openpi image keys).
-        norm_mode: ``'quantile'`` (q01/q99 → [-1, 1]; π0.5) or ``'mean_std'`` (π0).
     """
 
     name: str
     state_dim: int
     action_dim: int
     camera_slots: tuple[str, ...]
-    norm_mode: str = "quantile"
 
     def __post_init__(self):
-        if self.norm_mode not in ("quantile", "mean_std"):
-            raise ValueError(f"norm_mode must be 'quantile' or 'mean_std', got {self.norm_mode!r}")
         if self.state_dim <= 0 or self.action_dim <= 0:
             raise ValueError(f"state_dim and action_dim must be positive, got {self.state_dim}, {self.action_dim}")
         if not self.camera_slots:
@@ -201,15 +200,22 @@ def get_robot(name: str) -> RobotConfig:
     return ROBOTS[name]
 
 
+_STAT_NAMES = ("mean", "std", "q01", "q99")
+
+
 @dataclasses.dataclass(frozen=True)
 class NormStats:
     """Per-dimension statistics of one quantity (state or actions), float64 numpy arrays ``[D]``.
 
-    ``q01``/``q99`` may be None for mean/std-only statistics.
+    Any of them may be None (openpi files always carry ``mean``/``std``, quantiles optionally;
+    LeRobot files carry what its dataset computed); at least one must be given.
+
+    Raises:
+        ValueError: no array, or arrays that are not 1-D of one length.
     """
 
-    mean: np.ndarray
-    std: np.ndarray
+    mean: np.ndarray | None = None
+    std: np.ndarray | None = None
     q01: np.ndarray | None = None
     q99: np.ndarray | None = None
 
@@ -220,7 +226,50 @@ class NormStats:
 
     @property
     def dim(self) -> int:
-        return int(self.mean.shape[0])
+        return int(next(a for a in (self.mean, self.std, self.q01, self.q99) if a is not None).shape[0])
+
+
+def check_norm_stats(stats: NormStats, key: str, dim: int, mode: str) -> None:
+    """Reject statistics that would make normalisation non-finite, in the ``dim`` dimensions used.
+
+    Every array present must be finite in its first ``dim`` entries; the mode's own statistics must be
+    present and non-degenerate there: ``q99 > q01`` (quantile), ``std > 0`` (mean_std). Dimensions
+    beyond ``dim`` (openpi pads some statistics to 32 with zeros) are not looked at.
+
+    Args:
+        stats: the statistics of ``key``.
+        key: ``'state'`` or ``'actions'`` (for the message).
+        dim: dimensions actually used.
+        mode: ``'quantile'``, ``'mean_std'`` or ``'identity'`` (nothing is checked).
+
+    Raises:
+        ValueError: naming the key, the statistic, the dimension and the value.
+    """
+    if mode == "identity":
+        return
+    needed = {"quantile": ("q01", "q99"), "mean_std": ("mean", "std")}[mode]
+    for name in needed:
+        if getattr(stats, name) is None:
+            raise ValueError(f"norm stats {key!r}: {mode} normalisation needs {name}, which is missing")
+    if stats.dim < dim:
+        raise ValueError(f"norm stats {key!r} have {stats.dim} dimensions, {dim} are used")
+    for name in _STAT_NAMES:
+        values = getattr(stats, name)
+        if values is None:
+            continue
+        bad = np.flatnonzero(~np.isfinite(values[:dim]))
+        if bad.size:
+            raise ValueError(f"norm stats {key!r}: {name}[{bad[0]}] is {values[bad[0]]} (not finite)")
+    if mode == "quantile":
+        bad = np.flatnonzero(stats.q99[:dim] <= stats.q01[:dim])
+        if bad.size:
+            i = bad[0]
+            raise ValueError(f"norm stats {key!r}: q99[{i}] = {stats.q99[i]} is not above q01[{i}] = "
+                             f"{stats.q01[i]} (degenerate quantile range)")
+    else:
+        bad = np.flatnonzero(stats.std[:dim] <= 0)
+        if bad.size:
+            raise ValueError(f"norm stats {key!r}: std[{bad[0]}] = {stats.std[bad[0]]} (degenerate: not positive)")
 
 
 def load_norm_stats(path: str | Path) -> dict[str, NormStats]:
@@ -243,7 +292,7 @@ def load_norm_stats(path: str | Path) -> dict[str, NormStats]:
     for key, entry in stats.items():
         try:
             arrays = {k: (np.asarray(entry[k], dtype=np.float64) if entry.get(k) is not None else None)
-                      for k in ("mean", "std", "q01", "q99")}
+                      for k in _STAT_NAMES}
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"{path}: entry {key!r} lacks mean/std: {exc}") from exc
         if arrays["mean"] is None or arrays["std"] is None:
@@ -255,7 +304,7 @@ def load_norm_stats(path: str | Path) -> dict[str, NormStats]:
 def save_norm_stats(stats: dict[str, NormStats], path: str | Path) -> None:
     """Write ``stats`` in openpi's ``norm_stats.json`` format (inverse of :func:`load_norm_stats`)."""
     payload = {"norm_stats": {
-        key: {k: getattr(s, k).tolist() for k in ("mean", "std", "q01", "q99") if getattr(s, k) is not None}
+        key: {k: getattr(s, k).tolist() for k in _STAT_NAMES if getattr(s, k) is not None}
         for key, s in stats.items()}}
     Path(path).write_text(json.dumps(payload, indent=2))
 

@@ -19,13 +19,15 @@ from rclpy.exceptions import ParameterUninitializedException
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
+from oxygen_ros.models.config import get_preset
+from oxygen_ros.models.conventions import MODEL_CAMERA_SLOTS, NORM_MODES, Conventions, apply_settings, \
+    resolve_conventions
+
 TRANSPORTS = ("raw", "compressed")
 RELIABILITIES = ("best_effort", "reliable")
 TRAJECTORY_STAMP_POLICIES = ("now", "observation")
 # Full-size presets: random weights are meaningless there (and a robot must never run them unnoticed).
 FULL_PRESETS = ("pi05", "pi0")
-# The model's camera slots (openpi image keys), in the order the model sees them; camera_slots name a subset.
-MODEL_CAMERA_SLOTS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 
 
 def _float_range(low: float, high: float) -> list[FloatingPointRange]:
@@ -48,8 +50,18 @@ _DECLARATIONS: dict[str, tuple] = {
                              "checkpoint is empty (meaningless actions: for tests only)", {}, True),
     "tokenizer_path": ("", "local PaliGemma SentencePiece model (full presets); empty for tiny presets", {},
                        True),
-    "norm_stats_path": ("", "openpi norm_stats.json of the robot; empty = data already normalised", {}, True),
-    "norm_mode": ("quantile", "state/action normalisation: quantile (pi0.5) or mean_std (pi0)", {}, True),
+    "conventions": ("", "checkpoint family whose conventions the checkpoint was trained with (prompt layout, "
+                    "normalisation, horizon, delta actions, robot adaptation, cameras): openpi/pi05_aloha, "
+                    "openpi/pi05_droid, openpi/pi05_libero, openpi/pi0_aloha, openpi/pi0_droid, openpi/pi0_libero, "
+                    "openpi/pi05, openpi/pi0, lerobot/pi05, lerobot/pi0; empty = what the checkpoint carries "
+                    "(a LeRobot config.json), else the preset's defaults (docs/conventions.md)", {}, True),
+    "norm_stats_path": ("", "openpi norm_stats.json of the robot; empty = the statistics the checkpoint carries "
+                        "(LeRobot processor files, openpi assets/<asset>/norm_stats.json); none without a "
+                        "checkpoint = data already normalised", {}, True),
+    "norm_mode": ("", "state/action normalisation: quantile, mean_std or identity; empty = the conventions' "
+                  "(pi0.5: quantile, pi0: mean_std); must agree with a checkpoint's or family's", {}, True),
+    "action_horizon": (0, "H: actions per chunk; 0 = the conventions' (e.g. openpi/pi05_droid 15); must agree "
+                       "with a checkpoint's or family's", {"integer_range": _int_range(0, 1000)}, True),
     "device": ("cpu", "torch device, e.g. cpu, cuda, cuda:0", {}, True),
     "dtype": ("float32", "weight dtype: float32 or bfloat16", {}, True),
     "cuda_graphs": (True, "on a CUDA device, replay the vision tower and the denoising loop from CUDA graphs "
@@ -60,10 +72,11 @@ _DECLARATIONS: dict[str, tuple] = {
     "joint_names": (Parameter.Type.STRING_ARRAY,
                     "joints of the robot state vector, in order, matched by name in "
                     "sensor_msgs/JointState (required: pi0 and pi0.5 read the state)", {}, True),
-    "action_dim": (7, "D: action dimensions kept from the model's padded 32",
-                   {"integer_range": _int_range(1, 32)}, True),
-    "action_dt_s": (0.05, "time between consecutive actions of a chunk (the policy's action period) [s]",
-                    {"floating_point_range": _float_range(1e-4, 10.0)}, True),
+    "action_dim": (0, "D: action dimensions kept from the model's padded 32; 0 = the conventions' robot "
+                   "action dimension, else the number of joint_names", {"integer_range": _int_range(0, 32)}, True),
+    "action_dt_s": (0.0, "time between consecutive actions of a chunk (the policy's action period) [s]; 0 = the "
+                    "conventions' (e.g. 1/15 s for DROID), else 0.05 s",
+                    {"floating_point_range": _float_range(0.0, 10.0)}, True),
     "action_names": (Parameter.Type.STRING_ARRAY,
                      "name of each of the D action dimensions; empty = joint_names when it has D entries, "
                      "else action_0 ... action_{D-1}", {}, True),
@@ -150,9 +163,12 @@ class CameraSettings:
 class NodeSettings:
     """Validated values of the read-only parameters, read once per ``configure``.
 
+    ``conventions`` is the checkpoint family's, resolved and checked against the explicit settings;
+    ``action_dim`` and ``action_dt_s`` are the resolved values.
+
     Raises (from :func:`read_settings`):
-        ValueError: inconsistent values (lengths of the per-camera arrays, unknown enum values, ...),
-            with the parameter named in the message.
+        ValueError: inconsistent values (lengths of the per-camera arrays, unknown enum values, settings
+            that contradict the checkpoint's conventions, ...), with the parameter named in the message.
     """
 
     preset: str
@@ -160,7 +176,7 @@ class NodeSettings:
     allow_random_weights: bool
     tokenizer_path: str
     norm_stats_path: str
-    norm_mode: str
+    conventions: Conventions
     device: str
     dtype: str
     cuda_graphs: bool
@@ -274,7 +290,9 @@ def read_settings(node: Node) -> NodeSettings:
         raise ValueError("parameter joint_names: list the joints of the robot state (pi0/pi0.5 read the state)")
     if len(set(joint_names)) != len(joint_names):
         raise ValueError(f"parameter joint_names: names must be unique, got {list(joint_names)}")
-    action_dim = int(v["action_dim"])
+    conventions = _conventions(v, joint_names, cameras)
+    node.get_logger().info(f"conventions {conventions.describe()}")
+    action_dim = conventions.action_dim or len(joint_names)
     action_names = tuple(v["action_names"])
     if not action_names:
         action_names = joint_names if len(joint_names) == action_dim else \
@@ -292,12 +310,11 @@ def read_settings(node: Node) -> NodeSettings:
     return NodeSettings(
         preset=v["preset"], checkpoint=v["checkpoint"], allow_random_weights=bool(v["allow_random_weights"]),
         tokenizer_path=v["tokenizer_path"],
-        norm_stats_path=v["norm_stats_path"],
-        norm_mode=_choice("norm_mode", v["norm_mode"], ("quantile", "mean_std")),
+        norm_stats_path=v["norm_stats_path"], conventions=conventions,
         device=v["device"], dtype=_choice("dtype", v["dtype"], ("float32", "bfloat16")),
         cuda_graphs=bool(v["cuda_graphs"]), seed=int(v["seed"]),
         joint_names=joint_names, action_dim=action_dim,
-        action_dt_s=float(v["action_dt_s"]), action_names=action_names, cameras=cameras,
+        action_dt_s=conventions.action_dt_s or 0.05, action_names=action_names, cameras=cameras,
         instruction_topic=v["instruction_topic"], default_instruction=v["default_instruction"],
         joint_states_topic=v["joint_states_topic"], control_rate_hz=float(v["control_rate_hz"]),
         num_denoise_steps=int(v["num_denoise_steps"]), status_rate_hz=float(v["status_rate_hz"]),
@@ -316,3 +333,34 @@ def read_settings(node: Node) -> NodeSettings:
         trajectory_joint_names=trajectory_names,
         trajectory_stamp_policy=_choice("trajectory_stamp_policy", v["trajectory_stamp_policy"],
                                         TRAJECTORY_STAMP_POLICIES))
+
+
+def _conventions(v: dict, joint_names: tuple[str, ...], cameras: tuple[CameraSettings, ...]) -> Conventions:
+    """The checkpoint family's conventions (checkpoint files, ``conventions``, or the preset's defaults),
+    with the explicit settings applied; a setting or a camera that contradicts binding conventions raises
+    a one-line ValueError naming both values."""
+    preset = get_preset(v["preset"])
+    if v["norm_mode"]:
+        _choice("norm_mode", v["norm_mode"], NORM_MODES)
+    conventions = resolve_conventions(preset.variant, preset.action_horizon, preset.max_token_len,
+                                      v["checkpoint"] or None, v["conventions"] or None)
+    conventions = apply_settings(
+        conventions, labels={"state_dim": "parameter joint_names (number of joints)"},
+        norm_mode=v["norm_mode"] or None, action_horizon=int(v["action_horizon"]) or None,
+        state_dim=len(joint_names), action_dim=int(v["action_dim"]) or None,
+        action_dt_s=float(v["action_dt_s"]) or None)
+    if conventions.binding:
+        for camera in cameras:
+            spec = conventions.camera(camera.slot)
+            if spec is None:
+                raise ValueError(f"parameter camera_slots: {camera.slot} is not used by {conventions.source} "
+                                 f"(its cameras: {[f'{c.slot} ({c.key})' for c in conventions.cameras]})")
+            if spec.required and not camera.required:
+                raise ValueError(f"parameter camera_required is false for {camera.slot} but {conventions.source} "
+                                 f"says true ({spec.key} is required)")
+        configured = {camera.slot for camera in cameras}
+        for spec in conventions.cameras:
+            if spec.required and spec.slot not in configured:
+                raise ValueError(f"parameter camera_slots lacks {spec.slot} but {conventions.source} requires it "
+                                 f"({spec.key})")
+    return conventions
