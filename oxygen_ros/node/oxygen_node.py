@@ -151,7 +151,7 @@ class OxygenNode(LifecycleNode):
         self._time_warner = DropCounter(self.get_logger().warning, what="time went backwards")
         self._qos_events = DropCounter(self.get_logger().warning, what="incompatible QoS")
         self._qos_reported = 0
-        self._clock = ClockWatch(self._read_clock, self._on_clock_jump)
+        self._clock_watch = ClockWatch(self._read_clock, self._on_clock_jump)
         self._stamps = StampWatch()
         self._time_restart = threading.Event()
         self._last_cycle_clock: tuple[float, int] | None = None
@@ -468,7 +468,7 @@ class OxygenNode(LifecycleNode):
 
     def _now(self) -> tuple[Time, float]:
         """The node clock now (``Time``, seconds); every read checks for a backwards jump."""
-        return self._clock.now()
+        return self._clock_watch.now()
 
     def _read_clock(self) -> tuple[Time, float]:
         now = self.get_clock().now()
