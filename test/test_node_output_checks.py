@@ -53,6 +53,11 @@ def test_limits_clamp_and_count_values_outside():
     clamped = limits.clamp(actions)
     np.testing.assert_array_equal(clamped, [[1.0, -5.0, 0.0, 9.0], [0.0, 2.0, 0.0, 0.0]])
     assert clamped.dtype == np.float32 and limits.violations(clamped) == 0
+    tight = limits_from_parameters([-0.05] * 4, [0.05] * 4, NAMES)    # not exact in float32
+    clamped = tight.clamp(actions)
+    assert tight.violations(clamped) == 0
+    moved = np.abs(clamped[np.abs(actions) > 0.05].astype(np.float64))
+    assert np.all(moved <= 0.05) and np.all(moved > 0.0499999)
 
 
 def test_limit_parameters_are_checked():

@@ -65,6 +65,8 @@ def guarded(overflowing):
     h = Harness(tiny_parameters(**{
         "preset": "pi0_tiny", "checkpoint": overflowing, "speech.enabled": False,
         "memory.trigger_every_s": 1.0, "memory.prompt_template": "{instruction} " + MEMORY_WORD,
+        # k decode steps every cycle, slack or not: memory requests complete however loaded the machine is
+        "engine.scheduling": "fixed_k", "engine.decode_steps_per_cycle": 8,
         "joint_limits.lower": lower, "joint_limits.upper": upper}))
     h.instruction.publish(String(data=INSTRUCTION))
     assert wait_for(lambda: h.node.lifecycle_state == "active", 90.0), h.node.configure_error
@@ -117,7 +119,9 @@ def test_joint_limits_clamp_or_reject(guarded):
     assert wait_for(lambda: h.count("chunk") >= start + 3, 60.0)
     clamped = [_actions(c)[:, 0] for c in h.received["chunk"][start:]]
     assert all(np.all((column >= low) & (column <= high)) for column in clamped)
-    assert any(np.any((column == low) | (column == high)) for column in clamped)   # the model exceeds them
+    # The model exceeds them: clamped values sit at a bound (rounded inwards to float32).
+    assert any(np.any(np.isclose(column, low, rtol=0, atol=1e-7) | np.isclose(column, high, rtol=0, atol=1e-7))
+               for column in clamped)
     for trajectory in h.received["trajectory"][-3:]:
         assert all(low <= point.positions[0] <= high for point in trajectory.points)
     assert events()["limited_actions"] >= 3

@@ -67,8 +67,16 @@ class JointLimits:
         return int(np.sum((actions < self.lower) | (actions > self.upper)))
 
     def clamp(self, actions: np.ndarray) -> np.ndarray:
-        """``actions`` (float ``[H, D]``) clipped into the limits; a new float32 array."""
-        return np.clip(actions, self.lower, self.upper).astype(np.float32)
+        """``actions`` (float ``[H, D]``) clipped into the limits; a new float32 array.
+
+        A bound that float32 cannot hold exactly is rounded inwards (a clipped value never lies outside
+        the float64 limit, e.g. -0.05 becomes -0.049999997 rather than -0.050000001).
+        """
+        clipped = np.clip(actions, self.lower, self.upper).astype(np.float32)
+        below, above = clipped < self.lower, clipped > self.upper
+        clipped[below] = np.nextafter(clipped, np.float32(np.inf))[below]
+        clipped[above] = np.nextafter(clipped, np.float32(-np.inf))[above]
+        return clipped
 
 
 def limits_from_parameters(lower: list[float], upper: list[float], action_names: tuple[str, ...]
