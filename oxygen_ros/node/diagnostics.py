@@ -171,7 +171,8 @@ def diagnostic_array(node_name: str, hardware_id: str, lifecycle_state: str, sta
     half the target. Inputs WARN when inputs were dropped, a camera has no frame yet, a camera's clock
     offset (``camera_offsets``: node clock minus header stamp at receipt [s]) exceeds
     ``offset_warn_s``, or new incompatible-QoS events (``qos_events``: counts per endpoint since
-    configure; ``new_qos_events`` of them since the previous publication) were reported.
+    configure; ``new_qos_events`` of them since the previous publication) were reported; the message
+    names every reason.
     """
     camera_offsets = camera_offsets or {}
     qos_events = qos_events or {}
@@ -209,20 +210,19 @@ def diagnostic_array(node_name: str, hardware_id: str, lifecycle_state: str, sta
     inputs = DiagnosticStatus(name=f"{node_name}: inputs", hardware_id=hardware_id)
     missing = [slot for slot, age in camera_ages.items() if age is None]
     offset = {slot: value for slot, value in camera_offsets.items() if abs(value) > offset_warn_s}
+    warnings = []    # every reason for WARN, in the message
     if drops:
-        inputs.level, inputs.message = DiagnosticStatus.WARN, f"{sum(drops.values())} inputs dropped"
-    elif new_qos_events:
-        inputs.level, inputs.message = DiagnosticStatus.WARN, \
-            f"{new_qos_events} incompatible-QoS events: {sorted(qos_events)}"
-    elif offset:
-        inputs.level, inputs.message = DiagnosticStatus.WARN, \
-            "camera clock offset (node clock - header stamp) " + \
-            ", ".join(f"{slot} {value:+.3f} s" for slot, value in offset.items()) + \
-            f" beyond {offset_warn_s:g} s: observation-stamped outputs expire; synchronise the clocks"
-    elif missing and status is not None:
-        inputs.level, inputs.message = DiagnosticStatus.WARN, f"no frame yet from {missing}"
-    else:
-        inputs.level, inputs.message = DiagnosticStatus.OK, "ok"
+        warnings.append(f"{sum(drops.values())} inputs dropped")
+    if new_qos_events:
+        warnings.append(f"{new_qos_events} incompatible-QoS events: {sorted(qos_events)}")
+    if offset:
+        warnings.append("camera clock offset (node clock - header stamp) "
+                        + ", ".join(f"{slot} {value:+.3f} s" for slot, value in offset.items())
+                        + f" beyond {offset_warn_s:g} s: observation-stamped outputs expire; synchronise the clocks")
+    if missing and status is not None:
+        warnings.append(f"no frame yet from {missing}")
+    inputs.level = DiagnosticStatus.WARN if warnings else DiagnosticStatus.OK
+    inputs.message = "; ".join(warnings) or "ok"
     for slot, age in camera_ages.items():
         inputs.values.append(KeyValue(key=f"camera {slot} age [s]", value="none" if age is None else f"{age:.3f}"))
     for slot, value in camera_offsets.items():
