@@ -209,6 +209,12 @@ class OxygenNode(LifecycleNode):
         return self._qos_events.counts()
 
     @property
+    def instruction(self) -> str | None:
+        """The instruction in use (the default one until one arrives), or None while unconfigured."""
+        inputs = self._inputs
+        return None if inputs is None else inputs.instruction
+
+    @property
     def joint_limits(self):
         """The joint position limits in force (:class:`oxygen_ros.node.output_checks.JointLimits`, from the
         parameters or robot_description), or None."""
