@@ -128,7 +128,7 @@ class OxygenNode(LifecycleNode):
         self._engine: Engine | None = None
         self._inputs: InputStore | None = None
         self._drops = DropCounter(self.get_logger().warning)
-        self._skips = DropCounter(self.get_logger().warning)
+        self._skips = DropCounter(self.get_logger().warning, what="skipped cycle")
         self._status = StatusTracker()
         # ROS entities made by configure, destroyed by cleanup
         self._owned_publishers: list = []
