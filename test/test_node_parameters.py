@@ -86,7 +86,7 @@ def test_camera_slots_reach_the_model_in_its_order_by_name(ros_context):
         inputs.store_frame("left_wrist_0_rgb", Frame(wrist, Time(sec=5), 100.0))
         inputs.store_frame("base_0_rgb", Frame(base, Time(sec=5), 100.0))
         inputs.store_joint_state(np.zeros(7, np.float32), 100.0)
-        ready = inputs.observation(100.1, 0.5, 0)
+        ready = inputs.observation(lambda: 100.1, 0.5, 0)
         assert not isinstance(ready, str), ready
         images = ready.observation.images
         assert images["base_0_rgb"] is base and images["left_wrist_0_rgb"] is wrist

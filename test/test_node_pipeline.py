@@ -169,17 +169,76 @@ def test_corrupt_jpeg_is_counted(harness):
     assert harness.chunks_flow()
 
 
-def test_incompatible_camera_qos_is_reported(harness):
+def _qos_events(harness, endpoint: str) -> int:
+    return harness.node.qos_events().get(endpoint, 0)
+
+
+@pytest.mark.parametrize("msg_type, topic", [
+    ("CompressedImage", "wrist_camera/image_raw/compressed"),   # the wrist camera subscription is reliable
+    ("String", "instruction"),                                  # the instruction subscriptions are reliable
+])
+def test_incompatible_subscription_qos_is_counted_and_reported(harness, msg_type, topic):
+    from rclpy.event_handler import PublisherEventCallbacks
     from rclpy.qos import qos_profile_sensor_data
     from sensor_msgs.msg import CompressedImage
+    from std_msgs.msg import String
 
-    # The wrist camera subscription is reliable: a best-effort publisher cannot reach it.
-    publisher = harness.robot.create_publisher(CompressedImage, "wrist_camera/image_raw/compressed",
-                                               qos_profile_sensor_data)
+    endpoint = f"subscription {harness.topic(topic)}"
+    before = _qos_events(harness, endpoint)
+    # Best effort: cannot reach the node. No event handlers of its own: it is destroyed from this thread
+    # while the executor spins, and rclpy's default handlers would still be in the executor's wait set.
+    publisher = harness.robot.create_publisher({"CompressedImage": CompressedImage, "String": String}[msg_type],
+                                               topic, qos_profile_sensor_data,
+                                               event_callbacks=PublisherEventCallbacks(use_default_callbacks=False))
     try:
-        assert wait_for(lambda: harness.drops("incompatible_qos") > 0, 10.0)
+        assert wait_for(lambda: _qos_events(harness, endpoint) > before, 20.0), harness.node.qos_events()
+        assert wait_for(lambda: harness.count("status") > 0 and harness.received["status"][-1].incompatible_qos > 0,
+                        20.0)
+        assert wait_for(lambda: any(v.key == f"incompatible QoS {endpoint}"
+                                    for d in list(harness.received["diagnostics"]) for v in d.status[1].values), 20.0)
     finally:
         harness.robot.destroy_publisher(publisher)
+    assert harness.chunks_flow()
+
+
+def test_incompatible_publisher_qos_is_counted(harness):
+    from oxygen_ros.msg import ActionChunk
+    from rclpy.event_handler import SubscriptionEventCallbacks
+    from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+
+    # A controller asking for transient-local chunks: the node's volatile publisher cannot serve it.
+    endpoint = f"publisher {harness.topic('oxygen_node/action_chunk')}"
+    before = _qos_events(harness, endpoint)
+    subscription = harness.robot.create_subscription(ActionChunk, "oxygen_node/action_chunk", lambda msg: None,
+                                                     QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                                                                durability=DurabilityPolicy.TRANSIENT_LOCAL),
+                                                     event_callbacks=SubscriptionEventCallbacks(
+                                                         use_default_callbacks=False))
+    try:
+        assert wait_for(lambda: _qos_events(harness, endpoint) > before, 20.0), harness.node.qos_events()
+    finally:
+        harness.robot.destroy_subscription(subscription)
+    assert harness.chunks_flow()
+
+
+def test_an_instruction_from_a_volatile_publisher_arrives(harness):
+    from std_msgs.msg import String
+
+    # create_publisher(String, "instruction", 10): reliable and volatile, the usual way.
+    endpoint = f"subscription {harness.topic('instruction')}"
+    before = _qos_events(harness, endpoint)
+    publisher = harness.robot.create_publisher(String, "instruction", 10)
+    text = "put the cube in the bowl"
+    try:
+        # The instruction reaches the outputs (every Speech, including the finals of dropped requests,
+        # and every MemoryEntry carries the instruction of its observation).
+        assert publish_until(lambda: publisher.publish(String(data=text)),
+                             lambda: any(m.instruction == text for m in list(harness.received["memory"])
+                                         + list(harness.received["speech"])), timeout=60.0, interval=2.0)
+        assert _qos_events(harness, endpoint) == before   # nothing incompatible in the usual case
+    finally:
+        harness.robot.destroy_publisher(publisher)
+        harness.instruction.publish(String(data="pick up the red cube"))
     assert harness.chunks_flow()
 
 

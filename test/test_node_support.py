@@ -158,6 +158,7 @@ class Harness:
         self.publish_joints = True
         self.zero_stamps = False
         self.joint_names = list(joint_names)
+        self.stamp_seconds = None   # when set: a function of the frame index giving the header stamp [s]
         self.joint_positions = [0.1, -0.2, 0.3, -0.4, 0.5, -0.6, 0.02]
         self.sent_stamps: set[tuple[int, int]] = set()
         self._frame_index = 0
@@ -198,6 +199,8 @@ class Harness:
         # advancing like a real camera's.
         self._frame_index += 1
         nanoseconds = 1_000 * 10**9 + round(self._frame_index * 1e9 / self._publish_hz) + 123_456
+        if self.stamp_seconds is not None:
+            nanoseconds = round(self.stamp_seconds(self._frame_index) * 1e9)
         stamp = Time() if self.zero_stamps else Time(sec=nanoseconds // 10**9, nanosec=nanoseconds % 10**9)
         self.sent_stamps.add((stamp.sec, stamp.nanosec))
         if self.publish_cam0:

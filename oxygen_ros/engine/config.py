@@ -55,7 +55,8 @@ class TriggerConfig:
     Attributes:
         every_n_frames: fire on every n-th observation (1 = every frame); None = off.
         every_s: fire when at least this many seconds of observation stamps passed since the
-            task's last request; None = off.
+            task's last request; None = off. Stamps that go backwards (a bag replayed in a loop, a
+            simulator's clock reset) restart the period from the new stamp.
         on_new_instruction: fire when the instruction differs from the previous observation's
             (the first observation counts as new).
     """

@@ -166,7 +166,7 @@ class Engine:
                 raise RuntimeError("engine is closed")
             return self._run_cycle(obs, deadline, on_action)
 
-    def warm_up(self, obs: Observation) -> float:
+    def warm_up(self, obs: Observation, on_action: Callable[[ActionChunk], None] | None = None) -> float:
         """Run the action path once (encode, prefill, denoise) for ``obs`` and keep nothing of it.
 
         One-time costs then land here rather than in the first control cycle: on CUDA the capture
@@ -175,6 +175,10 @@ class Engine:
         and allocator initialisation. Language tasks do not fire; triggers, the instruction
         history, metrics, step-cost estimates and the prefix tree are left as they were, and the
         prefix's pages return to the pool at once. The model work is counted in :attr:`counters`.
+
+        Args:
+            obs: a typical observation.
+            on_action: called with the warm-up's action chunk (e.g. to check it is finite).
 
         Returns:
             Seconds taken.
@@ -196,7 +200,10 @@ class Engine:
                 features = self._encode(images)
                 node = self._prefix_nodes([_PrefixJob((("warm-up", obs.seq),), features, action_ids,
                                                       False, False)])[0]
-                self._denoise(node, obs)
+                actions = self._denoise(node, obs)
+                if on_action is not None:
+                    on_action(ActionChunk(self._processor.actions_out(actions[0]), obs.seq, obs.stamp,
+                                          time.perf_counter() - t0))
             finally:
                 self._tree.clear()
                 self._timing, self._estimator, self._pool.peak_used_blocks, self._cycle_peak_blocks = saved
@@ -603,6 +610,10 @@ class Engine:
     def _fires(self, task: TaskConfig, obs: Observation, new_instruction: bool) -> bool:
         trigger = task.trigger
         last = self._last_fired.get(task.name)
+        if last is not None and obs.stamp < last:
+            # Stamps went backwards (a bag replayed in a loop, a simulator's clock reset): the period
+            # restarts from the new time instead of waiting for the stamps to pass the old one.
+            last = self._last_fired[task.name] = obs.stamp
         fire = (trigger.on_new_instruction and new_instruction) or \
             (trigger.every_n_frames is not None and self._frame_index % trigger.every_n_frames == 0) \
             or (trigger.every_s is not None and (last is None or obs.stamp - last >= trigger.every_s))

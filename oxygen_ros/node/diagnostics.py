@@ -4,19 +4,29 @@
 cycle, one :meth:`StatusTracker.record_skip` per cycle without an observation) and read by the status
 timer on the executor thread (:meth:`StatusTracker.window`). Rates are per wall-clock second over the
 last status period (inference is compute-bound: wall time is what matters for throughput).
+
+Output and time events (:data:`OUTPUT_EVENTS`, :meth:`StatusTracker.record_event`) are counted since
+activation and per status period; the period's counts set the ``/diagnostics`` level.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from oxygen_ros.msg import EngineStatus
 
 from oxygen_ros.engine.metrics import CycleRecord
+
+
+# Output and time events: EngineStatus field names. ERROR_EVENTS make the engine status ERROR in a period
+# in which they happened (something non-finite was computed), the others WARN.
+OUTPUT_EVENTS = ("non_finite_actions", "limited_actions", "expired_chunks", "expired_trajectories",
+                 "non_finite_embeddings", "clock_jumps", "stamp_jumps")
+ERROR_EVENTS = ("non_finite_actions", "non_finite_embeddings")
 
 
 @dataclass
@@ -40,6 +50,9 @@ class StatusWindow:
     pool_peak_bytes: int = 0
     active_requests: int = 0
     waiting_requests: int = 0
+    events: dict[str, int] = field(default_factory=dict)         # OUTPUT_EVENTS in this period
+    events_total: dict[str, int] = field(default_factory=dict)   # OUTPUT_EVENTS since activation
+    last_event: str = ""
 
 
 class StatusTracker:
@@ -85,6 +98,21 @@ class StatusTracker:
             self._current.errors += 1
             self._current.last_error = error
 
+    def record_event(self, event: str, detail: str) -> None:
+        """Count one output or time event (one of :data:`OUTPUT_EVENTS`); ``detail`` says what happened."""
+        if event not in OUTPUT_EVENTS:
+            raise ValueError(f"unknown event {event!r}; one of {OUTPUT_EVENTS}")
+        with self._lock:
+            w = self._current
+            w.events[event] = w.events.get(event, 0) + 1
+            w.events_total[event] = w.events_total.get(event, 0) + 1
+            w.last_event = f"{event}: {detail}"
+
+    def totals(self) -> dict[str, int]:
+        """:data:`OUTPUT_EVENTS` counted since activation (0 for those that never happened)."""
+        with self._lock:
+            return {event: self._current.events_total.get(event, 0) for event in OUTPUT_EVENTS}
+
     def window(self) -> StatusWindow:
         """The figures since the previous call; the running totals carry over."""
         now = time.perf_counter()
@@ -95,14 +123,22 @@ class StatusTracker:
                 frames_total=done.frames_total, deadline_misses_total=done.deadline_misses_total,
                 overloaded_total=done.overloaded_total,
                 dropped_requests_total=done.dropped_requests_total, pool_peak_bytes=done.pool_peak_bytes,
-                active_requests=done.active_requests, waiting_requests=done.waiting_requests)
+                active_requests=done.active_requests, waiting_requests=done.waiting_requests,
+                events_total=dict(done.events_total))
             self._window_start = now
         return done
 
 
 def engine_status_msg(w: StatusWindow, stamp: Time, horizon: int, dropped_frames: int, pool_used_bytes: int,
-                      pool_capacity_bytes: int) -> EngineStatus:
-    """``oxygen_ros/EngineStatus`` of one status window (see msg/EngineStatus.msg for units)."""
+                      pool_capacity_bytes: int, camera_clock_offset: float | None = None,
+                      incompatible_qos: int = 0) -> EngineStatus:
+    """``oxygen_ros/EngineStatus`` of one status window (see msg/EngineStatus.msg for units).
+
+    Args:
+        camera_clock_offset: node clock minus header stamp at receipt, largest over the cameras [s];
+            None (sent as 0) when no camera has sent a non-zero stamp.
+        incompatible_qos: incompatible-QoS events on the node's endpoints since configure.
+    """
     msg = EngineStatus()
     msg.header.stamp = stamp
     msg.chunk_rate = w.chunks / w.period_s if w.period_s > 0 else 0.0
@@ -122,19 +158,32 @@ def engine_status_msg(w: StatusWindow, stamp: Time, horizon: int, dropped_frames
     msg.kv_pool_used_bytes = pool_used_bytes
     msg.kv_pool_peak_bytes = max(w.pool_peak_bytes, pool_used_bytes)
     msg.kv_pool_capacity_bytes = pool_capacity_bytes
+    for event in OUTPUT_EVENTS:
+        setattr(msg, event, w.events_total.get(event, 0))
+    msg.camera_clock_offset = 0.0 if camera_clock_offset is None else float(camera_clock_offset)
+    msg.incompatible_qos = incompatible_qos
     return msg
 
 
 def diagnostic_array(node_name: str, hardware_id: str, lifecycle_state: str, status: EngineStatus | None,
                      w: StatusWindow | None, drops: dict[str, int], camera_ages: dict[str, float | None],
-                     target_rate_hz: float) -> DiagnosticArray:
+                     target_rate_hz: float, camera_offsets: dict[str, float] | None = None,
+                     offset_warn_s: float = float("inf"), qos_events: dict[str, int] | None = None,
+                     new_qos_events: int = 0) -> DiagnosticArray:
     """``/diagnostics``: one status for the engine, one for the inputs.
 
-    Levels: engine ERROR when not active or a cycle failed in the period, WARN when cycles were skipped
-    (no usable observation), the chunk rate is below half the target or the engine was overloaded
-    (language ran on its guaranteed minimum); inputs WARN when inputs were dropped or a camera has
-    no frame yet.
+    Levels: engine ERROR when not active, a cycle failed, or a non-finite action chunk or memory
+    embedding was withheld in the period; WARN when cycles were skipped (no usable observation), an
+    output was clamped, withheld or expired, a clock or stamp jumped back, the chunk rate is below
+    half the target, or the engine was overloaded (language ran on its guaranteed minimum); the
+    message names every reason. Inputs WARN when inputs were dropped, a camera has no frame yet, a
+    camera's clock offset (``camera_offsets``: node clock minus header stamp at receipt [s]) exceeds
+    ``offset_warn_s``, or new incompatible-QoS events (``qos_events``: counts per endpoint since
+    configure; ``new_qos_events`` of them since the previous publication) were reported; the message
+    names every reason.
     """
+    camera_offsets = camera_offsets or {}
+    qos_events = qos_events or {}
     array = DiagnosticArray()
     stamp = status.header.stamp if status is not None else Time()
     array.header.stamp = stamp
@@ -143,7 +192,10 @@ def diagnostic_array(node_name: str, hardware_id: str, lifecycle_state: str, sta
     if status is None or w is None:
         engine.level, engine.message = DiagnosticStatus.ERROR, f"not active ({lifecycle_state})"
     else:
+        errors = {event: w.events[event] for event in ERROR_EVENTS if w.events.get(event)}
         warnings = []
+        if w.events:
+            warnings.append(f"output / time events {w.events}: {w.last_event}")
         if w.skipped:
             warnings.append(f"{w.skipped} cycles skipped: {w.last_skip_reason}")
         if status.chunk_rate < 0.5 * target_rate_hz:
@@ -154,6 +206,9 @@ def diagnostic_array(node_name: str, hardware_id: str, lifecycle_state: str, sta
                             "language, which runs on its guaranteed minimum (slower, not stopped)")
         if w.errors:
             engine.level, engine.message = DiagnosticStatus.ERROR, f"{w.errors} cycles failed: {w.last_error}"
+        elif errors:
+            engine.level, engine.message = DiagnosticStatus.ERROR, \
+                f"withheld non-finite outputs {errors}: {w.last_event}"
         elif warnings:
             engine.level, engine.message = DiagnosticStatus.WARN, "; ".join(warnings)
         else:
@@ -168,15 +223,27 @@ def diagnostic_array(node_name: str, hardware_id: str, lifecycle_state: str, sta
 
     inputs = DiagnosticStatus(name=f"{node_name}: inputs", hardware_id=hardware_id)
     missing = [slot for slot, age in camera_ages.items() if age is None]
+    offset = {slot: value for slot, value in camera_offsets.items() if abs(value) > offset_warn_s}
+    warnings = []    # every reason for WARN, in the message
     if drops:
-        inputs.level, inputs.message = DiagnosticStatus.WARN, f"{sum(drops.values())} inputs dropped"
-    elif missing and status is not None:
-        inputs.level, inputs.message = DiagnosticStatus.WARN, f"no frame yet from {missing}"
-    else:
-        inputs.level, inputs.message = DiagnosticStatus.OK, "ok"
+        warnings.append(f"{sum(drops.values())} inputs dropped")
+    if new_qos_events:
+        warnings.append(f"{new_qos_events} incompatible-QoS events: {sorted(qos_events)}")
+    if offset:
+        warnings.append("camera clock offset (node clock - header stamp) "
+                        + ", ".join(f"{slot} {value:+.3f} s" for slot, value in offset.items())
+                        + f" beyond {offset_warn_s:g} s: observation-stamped outputs expire; synchronise the clocks")
+    if missing and status is not None:
+        warnings.append(f"no frame yet from {missing}")
+    inputs.level = DiagnosticStatus.WARN if warnings else DiagnosticStatus.OK
+    inputs.message = "; ".join(warnings) or "ok"
     for slot, age in camera_ages.items():
         inputs.values.append(KeyValue(key=f"camera {slot} age [s]", value="none" if age is None else f"{age:.3f}"))
+    for slot, value in camera_offsets.items():
+        inputs.values.append(KeyValue(key=f"camera {slot} clock offset [s]", value=f"{value:.3f}"))
     for reason, count in sorted(drops.items()):
         inputs.values.append(KeyValue(key=f"dropped {reason}", value=str(count)))
+    for endpoint, count in sorted(qos_events.items()):
+        inputs.values.append(KeyValue(key=f"incompatible QoS {endpoint}", value=str(count)))
     array.status = [engine, inputs]
     return array

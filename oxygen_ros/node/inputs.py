@@ -8,6 +8,8 @@ Times: every age is measured on the node's clock (ROS time, simulated under ``us
 moment a message was *received*, never from its header stamp, so a camera whose stamps are zero, from
 another machine's clock or from a simulator never makes a frame look fresh or stale by mistake. The
 header stamp is only carried through to the outputs; a zero stamp is replaced by the receipt time.
+A frame or joint state received "in the future" (after the node clock's current reading: the clock
+jumped back since) is stale, like one older than the limit.
 """
 
 from __future__ import annotations
@@ -54,13 +56,15 @@ class DropCounter:
     Args:
         warn: logging function (e.g. ``node.get_logger().warning``).
         throttle_s: at most one warning per reason per this many wall-clock seconds.
+        what: what is counted, as the warnings name it (default ``dropped input``).
 
     Thread-safe.
     """
 
-    def __init__(self, warn: Callable[[str], object], throttle_s: float = 5.0):
+    def __init__(self, warn: Callable[[str], object], throttle_s: float = 5.0, what: str = "dropped input"):
         self._warn = warn
         self._throttle_s = throttle_s
+        self._what = what
         self._counts: dict[str, int] = {}
         self._since_warning: dict[str, int] = {}
         self._last_warning: dict[str, float] = {}
@@ -76,7 +80,7 @@ class DropCounter:
                 return
             count, self._since_warning[reason] = self._since_warning[reason], 0
             self._last_warning[reason] = now
-        self._warn(f"dropped input ({reason}, {count} since the last warning): {detail}")
+        self._warn(f"{self._what} ({reason}, {count} since the last warning): {detail}")
 
     def counts(self) -> dict[str, int]:
         """Drops per reason since the last :meth:`reset`."""
@@ -140,6 +144,7 @@ class InputStore:
         self._state: np.ndarray | None = None
         self._state_received_s = -math.inf
         self._instruction = instruction
+        self._receipts = 0
         self._lock = threading.Lock()
 
     @property
@@ -147,10 +152,17 @@ class InputStore:
         with self._lock:
             return self._instruction
 
+    @property
+    def receipts(self) -> int:
+        """Frames and joint states stored so far (changes whenever a new one arrives)."""
+        with self._lock:
+            return self._receipts
+
     def store_frame(self, slot: str, frame: Frame) -> None:
         """Keep ``frame`` as the latest of camera ``slot`` (the older one is dropped)."""
         with self._lock:
             self._frames[slot] = frame
+            self._receipts += 1
 
     def store_instruction(self, text: str) -> bool:
         """Set the instruction; returns True when it differs from the previous one."""
@@ -184,6 +196,7 @@ class InputStore:
         with self._lock:
             self._state = state
             self._state_received_s = received_s
+            self._receipts += 1
 
     def clear(self) -> None:
         """Forget frames and state (on deactivate: nothing stale survives a restart)."""
@@ -198,42 +211,54 @@ class InputStore:
             return {c.slot: (now_s - self._frames[c.slot].received_s) if c.slot in self._frames else None
                     for c in self._cameras}
 
-    def observation(self, now_s: float, staleness_limit_s: float, seq: int) -> ObservationInputs | str:
+    def observation(self, now: Callable[[], float], staleness_limit_s: float, seq: int) -> ObservationInputs | str:
         """The observation of one control cycle, or why there is none.
 
-        A camera whose latest frame is older than ``staleness_limit_s`` (or absent) is masked when
-        optional; when required, there is no observation. Nor is there one when no camera is fresh or no
-        joint state is fresh.
+        A camera whose latest frame is older than ``staleness_limit_s``, received in the future (after
+        ``now``: the clock jumped back since), or absent is masked when optional; when required, there is
+        no observation. Nor is there one when no camera is usable or the joint state is not.
 
         Args:
-            now_s: the node clock now [s].
+            now: reads the node clock [s]; called once, after the inputs are taken (so every input was
+                received before that reading unless the clock jumped back).
             staleness_limit_s: the largest usable age [s].
             seq: the observation's sequence number.
 
         Returns:
-            :class:`ObservationInputs`, or a short reason string (``stale camera base_0_rgb (1.20 s)``).
+            :class:`ObservationInputs`, or a short reason string (``stale required camera base_0_rgb
+            (1.20 s)``).
         """
         with self._lock:
-            images: dict[str, np.ndarray | None] = {}
-            used: list[Frame] = []
-            for camera in self._cameras:
-                frame = self._frames.get(camera.slot)
-                age = None if frame is None else now_s - frame.received_s
-                if age is None or age > staleness_limit_s:
-                    if camera.required:
-                        return f"{'no frame from' if age is None else 'stale'} required camera {camera.slot}" + \
-                            ("" if age is None else f" ({age:.2f} s)")
-                    images[camera.slot] = None
-                    continue
-                images[camera.slot] = frame.image
-                used.append(frame)
-            if not used:
-                return "no fresh camera frame"
-            age = now_s - self._state_received_s
-            if self._state is None or age > staleness_limit_s:
-                return "no joint state" if self._state is None else f"stale joint state ({age:.2f} s)"
-            state = self._state
-            instruction = self._instruction
+            frames = {camera.slot: self._frames.get(camera.slot) for camera in self._cameras}
+            state, state_received_s, instruction = self._state, self._state_received_s, self._instruction
+        now_s = now()
+
+        def unusable(received_s: float) -> str | None:
+            age = now_s - received_s
+            if age < 0.0:
+                return f"received {-age:.2f} s in the future of the node clock"
+            return f"{age:.2f} s" if age > staleness_limit_s else None
+
+        images: dict[str, np.ndarray | None] = {}
+        used: list[Frame] = []
+        for camera in self._cameras:
+            frame = frames[camera.slot]
+            why = "no frame" if frame is None else unusable(frame.received_s)
+            if why is not None:
+                if camera.required:
+                    return f"no frame from required camera {camera.slot}" if frame is None else \
+                        f"stale required camera {camera.slot} ({why})"
+                images[camera.slot] = None
+                continue
+            images[camera.slot] = frame.image
+            used.append(frame)
+        if not used:
+            return "no fresh camera frame"
+        if state is None:
+            return "no joint state"
+        why = unusable(state_received_s)
+        if why is not None:
+            return f"stale joint state ({why})"
         newest = max(used, key=lambda f: (f.stamp.sec, f.stamp.nanosec))
         observation = Observation(images=images, instruction=instruction, state=state,
                                   stamp=stamp_seconds(newest.stamp), seq=seq)

@@ -119,11 +119,13 @@ def build_engine(settings: NodeSettings) -> Engine:
     return Engine(model, ModelProcessor(processor), engine_config(settings, conv))
 
 
-def warm_up(engine: Engine, settings: NodeSettings) -> float:
+def warm_up(engine: Engine, settings: NodeSettings, on_action=None) -> float:
     """One :meth:`Engine.warm_up` on a synthetic observation shaped like the robot's: a black
     224 x 224 image in every camera slot, a zero state of ``joint_names``, the default
-    instruction. Returns its seconds (on CUDA: mostly the capture of the CUDA graphs)."""
+    instruction; ``on_action`` receives its action chunk. Returns its seconds (on CUDA: mostly the
+    capture of the CUDA graphs)."""
     black = np.zeros((224, 224, 3), np.uint8)
     obs = Observation({camera.slot: black for camera in settings.cameras}, settings.default_instruction,
                       np.zeros(len(settings.joint_names), np.float32))
-    return engine.warm_up(obs)
+    return engine.warm_up(obs, on_action)
+

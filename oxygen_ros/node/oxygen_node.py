@@ -20,8 +20,12 @@ executor never waits for inference.
 Topics (relative names resolve in the node's namespace; ``~`` is the node's private namespace):
     in   camera_topics[i]          sensor_msgs/Image or CompressedImage, sensor-data QoS (best effort,
                                    depth 1; reliability per camera_reliability)
-    in   instruction_topic         std_msgs/String, reliable + transient local, depth 1
+    in   instruction_topic         std_msgs/String, reliable + volatile, depth 10 (every publisher's live
+                                   messages); plus reliable + transient local, depth 1, only while no
+                                   instruction has arrived and a transient-local publisher offers one
     in   joint_states_topic        sensor_msgs/JointState, sensor-data QoS
+    in   robot_description         std_msgs/String (URDF), reliable + transient local, depth 1; only with
+                                   joint_limits.from_robot_description
     out  ~/action_chunk            oxygen_ros/ActionChunk, reliable, depth 10, once per control cycle
     out  ~/joint_trajectory        trajectory_msgs/JointTrajectory (publish_trajectory), reliable, depth 1
     out  ~/speech                  oxygen_ros/Speech partials and finals, reliable, depth 100
@@ -30,6 +34,12 @@ Topics (relative names resolve in the node's namespace; ``~`` is the node's priv
     out  ~/memory                  oxygen_ros/MemoryEntry, reliable, depth 10
     out  ~/status                  oxygen_ros/EngineStatus, reliable, depth 10, at status_rate_hz
     out  /diagnostics              diagnostic_msgs/DiagnosticArray, reliable, depth 10, at status_rate_hz
+
+Every subscription and publisher counts incompatible-QoS events (reported in ~/status and /diagnostics).
+What leaves the node is checked first (oxygen_ros/node/output_checks.py): non-finite chunks and memory
+embeddings are withheld, joint limits clamp or reject, expired outputs fall back or are withheld. Time
+(oxygen_ros/node/time_checks.py): backwards jumps of the node clock or of camera stamps are counted and
+restart staleness, time triggers and waiting requests; nothing runs before the node clock starts.
 """
 
 from __future__ import annotations
@@ -38,18 +48,21 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import rclpy
 from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray, KeyValue
 from oxygen_ros.msg import ActionChunk as ActionChunkMsg
 from oxygen_ros.msg import EngineStatus, MemoryEntry, Speech
-from rclpy.event_handler import QoSRequestedIncompatibleQoSInfo, SubscriptionEventCallbacks
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.clock import Clock, ClockType
+from rclpy.event_handler import PublisherEventCallbacks, SubscriptionEventCallbacks
 from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
-from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy,
+from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSPolicyKind, QoSProfile, ReliabilityPolicy,
                        qos_profile_sensor_data)
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
@@ -60,12 +73,22 @@ from oxygen_ros.engine.detokenizer import is_speakable
 from oxygen_ros.node import conversions
 from oxygen_ros.node.diagnostics import StatusTracker, diagnostic_array, engine_status_msg
 from oxygen_ros.node.image_conversion import ImageConversionError, compressed_to_rgb, image_to_rgb
-from oxygen_ros.node.inputs import DropCounter, Frame, InputError, InputStore, is_zero
+from oxygen_ros.node.inputs import DropCounter, Frame, InputError, InputStore, is_zero, stamp_seconds
 from oxygen_ros.node.model_loading import build_engine, warm_up
-from oxygen_ros.node.parameters import CameraSettings, NodeSettings, declare_parameters, read_settings
+from oxygen_ros.node.output_checks import all_finite, expired_by, limits_from_urdf
+from oxygen_ros.node.parameters import (CameraSettings, NodeSettings, check_dynamic_change, declare_parameters,
+                                        read_settings)
+from oxygen_ros.node.time_checks import ClockWatch, StampWatch, clock_started
 
-_INSTRUCTION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.RELIABLE,
-                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
+# Instruction: every publisher's live messages arrive on a volatile subscription (compatible with volatile
+# and transient-local publishers alike). A transient-local one is added only while no instruction has
+# arrived and a transient-local publisher is on the graph, to get its latched message (a volatile
+# publisher would see it as incompatible, so it does not stay).
+_INSTRUCTION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10, reliability=ReliabilityPolicy.RELIABLE,
+                              durability=DurabilityPolicy.VOLATILE)
+_LATCHED_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                          durability=DurabilityPolicy.TRANSIENT_LOCAL)
+_GRAPH_POLL_S = 1.0   # how often the graph is checked for a latched instruction on offer [s]
 _OBSERVATIONS_KEPT = 4096   # stamps/instructions of recent observations, for outputs of long language requests
 
 
@@ -107,7 +130,7 @@ class OxygenNode(LifecycleNode):
         self._engine: Engine | None = None
         self._inputs: InputStore | None = None
         self._drops = DropCounter(self.get_logger().warning)
-        self._skips = DropCounter(self.get_logger().warning)
+        self._skips = DropCounter(self.get_logger().warning, what="skipped cycle")
         self._status = StatusTracker()
         # ROS entities made by configure, destroyed by cleanup
         self._owned_publishers: list = []
@@ -122,14 +145,35 @@ class OxygenNode(LifecycleNode):
         self._observations: OrderedDict[int, _ObservationInfo] = OrderedDict()
         self._utterance_sequence: dict[int, int] = {}
         self._speech_text_withheld = 0      # completed utterances without speakable text, since activation
-        self._cycle_error_warner = DropCounter(self.get_logger().error)
+        self._cycle_error_warner = DropCounter(self._log_error)
         self._configure_error: str | None = None
         self._autostart_failed: str | None = None
+        # output checks and time (see output_checks.py, time_checks.py)
+        self._withheld = DropCounter(self._log_error, what="output withheld")
+        self._output_warner = DropCounter(self.get_logger().warning, what="output changed")
+        self._time_warner = DropCounter(self.get_logger().warning, what="time went backwards")
+        self._qos_events = DropCounter(self.get_logger().warning, what="incompatible QoS")
+        self._qos_reported = 0
+        self._clock_watch = ClockWatch(self._read_clock, self._on_clock_jump)
+        self._stamps = StampWatch()
+        self._time_restart = threading.Event()
+        self._last_cycle_clock: tuple[float, int] | None = None
+        self._expiry_warned = False
+        self._joint_limits = None
+        self._robot_description_error: str | None = None
+        self._instruction_received = False
+        self._latched_instruction_sub = None
         # Raises InvalidParameterTypeException / InvalidParameterValueException for a value of the wrong
         # type or out of range (overrides, a params file): rclpy checks them at declaration.
         declare_parameters(self)
+        self.add_on_set_parameters_callback(self._check_parameter_change)
         if self.get_parameter("autostart").value:
             self._autostart_timer = self.create_timer(0.0, self._autostart)
+
+    def _log_error(self, message: str) -> None:
+        # Error-level counters log from this line: rclpy refuses two severities from one call site, and
+        # DropCounter's warning-level counters log from its own.
+        self.get_logger().error(message)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -156,6 +200,34 @@ class OxygenNode(LifecycleNode):
         """Control cycles since activation that had no usable observation (no chunk published)."""
         return self._skips.total()
 
+    def skip_reasons(self) -> dict[str, int]:
+        """Skipped control cycles since activation by reason (``no_observation``, ``clock_not_started``,
+        ``clock_paused``, ``no_joint_limits``)."""
+        return self._skips.counts()
+
+    def output_events(self) -> dict[str, int]:
+        """Output and time events since activation, by EngineStatus field name (``non_finite_actions``,
+        ``limited_actions``, ``expired_chunks``, ``expired_trajectories``, ``non_finite_embeddings``,
+        ``clock_jumps``, ``stamp_jumps``)."""
+        return self._status.totals()
+
+    def qos_events(self) -> dict[str, int]:
+        """Incompatible-QoS events since configure by endpoint (``subscription <topic>``,
+        ``publisher <topic>``)."""
+        return self._qos_events.counts()
+
+    @property
+    def instruction(self) -> str | None:
+        """The instruction in use (the default one until one arrives), or None while unconfigured."""
+        inputs = self._inputs
+        return None if inputs is None else inputs.instruction
+
+    @property
+    def joint_limits(self):
+        """The joint position limits in force (:class:`oxygen_ros.node.output_checks.JointLimits`, from the
+        parameters or robot_description), or None."""
+        return self._joint_limits
+
     @property
     def configure_error(self) -> str | None:
         """Why the last configure failed (as logged), or None after a successful one."""
@@ -177,13 +249,23 @@ class OxygenNode(LifecycleNode):
                 return
 
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
-        """Load the model and the engine, create the ROS entities; FAILURE (reason logged) on any error."""
+        """Load the model and the engine, run the warm-up cycle, create the ROS entities; FAILURE (reason
+        logged) on any error, including a warm-up action chunk with a non-finite value."""
         start = time.perf_counter()
+        engine = None
         try:
             settings = read_settings(self)
             engine = build_engine(settings)
-            warm_s = warm_up(engine, settings)
+            warm_chunks: list[ActionChunk] = []
+            warm_s = warm_up(engine, settings, warm_chunks.append)
+            bad = [int(np.sum(~np.isfinite(chunk.actions))) for chunk in warm_chunks if not all_finite(chunk.actions)]
+            if bad:
+                raise ValueError(f"the warm-up action chunk has {bad[0]} non-finite values of "
+                                 f"{warm_chunks[0].actions.size}: the checkpoint or the normalisation "
+                                 "statistics produce NaN/inf actions")
         except Exception as error:  # any load failure: report it, keep nothing
+            if engine is not None:
+                engine.close()
             self._configure_error = _node_terms(f"{type(error).__name__}: {error}")
             self.get_logger().error(f"configure failed: {self._configure_error}")
             return TransitionCallbackReturn.FAILURE
@@ -195,6 +277,12 @@ class OxygenNode(LifecycleNode):
         self._observations.clear()
         self._utterance_sequence.clear()
         self._memory_tasks = frozenset(t.name for t in engine.config.language_tasks if t.kind == "memory")
+        self._joint_limits = settings.joint_limits
+        self._robot_description_error = None
+        self._instruction_received = False
+        self._qos_events.reset()
+        self._qos_reported = 0
+        self._stamps.clear()
         self._create_entities(settings)
         self._lifecycle_state = "inactive"
         pool = engine.pool
@@ -214,7 +302,13 @@ class OxygenNode(LifecycleNode):
         self._drops.reset()
         self._skips.reset()
         self._speech_text_withheld = 0
+        self._withheld.reset()
+        self._output_warner.reset()
+        self._time_warner.reset()
         self._status.reset()
+        self._time_restart.clear()
+        self._last_cycle_clock = None
+        self._expiry_warned = False
         self._stop.clear()
         self._active = True
         self._cycle_thread = threading.Thread(target=self._run_cycles, name="oxygen_control_cycle", daemon=True)
@@ -278,6 +372,7 @@ class OxygenNode(LifecycleNode):
         self._owned_timers.clear()
         self._owned_subscriptions.clear()
         self._owned_publishers.clear()
+        self._latched_instruction_sub = None
         if self._engine is not None:
             self._engine.close()
         self._engine = None
@@ -323,14 +418,21 @@ class OxygenNode(LifecycleNode):
 
     def _create_entities(self, settings: NodeSettings) -> None:
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-        self._chunk_pub = self.create_lifecycle_publisher(ActionChunkMsg, "~/action_chunk", reliable)
-        self._trajectory_pub = self.create_lifecycle_publisher(JointTrajectory, "~/joint_trajectory", 1) \
+
+        def publisher(msg_type, topic: str, qos, lifecycle: bool = True):
+            events = PublisherEventCallbacks(
+                incompatible_qos=lambda info: self._on_incompatible_qos(info, "publisher", topic))
+            create = self.create_lifecycle_publisher if lifecycle else self.create_publisher
+            return create(msg_type, topic, qos, event_callbacks=events)
+
+        self._chunk_pub = publisher(ActionChunkMsg, "~/action_chunk", reliable)
+        self._trajectory_pub = publisher(JointTrajectory, "~/joint_trajectory", 1) \
             if settings.publish_trajectory else None
-        self._speech_pub = self.create_lifecycle_publisher(Speech, "~/speech", 100)
-        self._speech_text_pub = self.create_lifecycle_publisher(String, "~/speech_text", reliable)
-        self._memory_pub = self.create_lifecycle_publisher(MemoryEntry, "~/memory", reliable)
-        self._status_pub = self.create_lifecycle_publisher(EngineStatus, "~/status", reliable)
-        self._diagnostics_pub = self.create_publisher(DiagnosticArray, "/diagnostics", reliable)
+        self._speech_pub = publisher(Speech, "~/speech", 100)
+        self._speech_text_pub = publisher(String, "~/speech_text", reliable)
+        self._memory_pub = publisher(MemoryEntry, "~/memory", reliable)
+        self._status_pub = publisher(EngineStatus, "~/status", reliable)
+        self._diagnostics_pub = publisher(DiagnosticArray, "/diagnostics", reliable, lifecycle=False)
         self._owned_publishers += [p for p in (self._chunk_pub, self._trajectory_pub, self._speech_pub,
                                                self._speech_text_pub, self._memory_pub, self._status_pub)
                                    if p is not None]
@@ -340,22 +442,70 @@ class OxygenNode(LifecycleNode):
                              else ReliabilityPolicy.BEST_EFFORT,
                              durability=DurabilityPolicy.VOLATILE)
             msg_type = Image if camera.transport == "raw" else CompressedImage
-            events = SubscriptionEventCallbacks(
-                incompatible_qos=lambda info, camera=camera: self._on_incompatible_qos(info, camera.topic))
-            self._owned_subscriptions.append(self.create_subscription(
-                msg_type, camera.topic, lambda msg, camera=camera: self._on_image(msg, camera), qos,
-                event_callbacks=events))
-        self._owned_subscriptions.append(self.create_subscription(
-            String, settings.instruction_topic, self._on_instruction, _INSTRUCTION_QOS))
-        self._owned_subscriptions.append(self.create_subscription(
-            JointState, settings.joint_states_topic, self._on_joint_state, qos_profile_sensor_data))
+            self._subscribe(msg_type, camera.topic, lambda msg, camera=camera: self._on_image(msg, camera), qos)
+        self._subscribe(String, settings.instruction_topic, self._on_instruction, _INSTRUCTION_QOS)
+        self._subscribe(JointState, settings.joint_states_topic, self._on_joint_state, qos_profile_sensor_data)
+        if settings.joint_limits_from_robot_description:
+            self._subscribe(String, "robot_description", self._on_robot_description, _LATCHED_QOS)
         self._owned_timers.append(self.create_timer(1.0 / settings.status_rate_hz, self._publish_status))
+        # On the steady clock: the graph is polled even while a simulated /clock is paused or absent.
+        self._owned_timers.append(self.create_timer(_GRAPH_POLL_S, self._update_latched_instruction,
+                                                    clock=Clock(clock_type=ClockType.STEADY_TIME)))
+        self._update_latched_instruction()
+
+    def _subscribe(self, msg_type, topic: str, callback, qos: QoSProfile, ignored_policy: QoSPolicyKind | None = None):
+        """A subscription owned by the node whose incompatible-QoS events are counted (except those of
+        ``ignored_policy``)."""
+        events = SubscriptionEventCallbacks(
+            incompatible_qos=lambda info: self._on_incompatible_qos(info, "subscription", topic, ignored_policy))
+        subscription = self.create_subscription(msg_type, topic, callback, qos, event_callbacks=events)
+        self._owned_subscriptions.append(subscription)
+        return subscription
+
+    def _update_latched_instruction(self) -> None:
+        """Subscribe transient-local to the instruction while none has arrived and a transient-local
+        publisher offers one (its latched message then arrives); unsubscribe once one has arrived."""
+        settings = self._settings
+        if settings is None:
+            return
+        latched = self._latched_instruction_sub
+        if self._instruction_received:
+            if latched is not None:
+                self._owned_subscriptions.remove(latched)
+                self.destroy_subscription(latched)
+                self._latched_instruction_sub = None
+            return
+        if latched is None and any(info.qos_profile.durability == DurabilityPolicy.TRANSIENT_LOCAL
+                                   for info in self.get_publishers_info_by_topic(
+                                       self.resolve_topic_name(settings.instruction_topic))):
+            # A volatile publisher is incompatible with this one by design (the volatile subscription
+            # serves it): DURABILITY events here are not counted.
+            self._latched_instruction_sub = self._subscribe(
+                String, settings.instruction_topic, self._on_latched_instruction, _LATCHED_QOS,
+                ignored_policy=QoSPolicyKind.DURABILITY)
 
     # ---- input callbacks (executor thread: convert and store only) ----------------------------
 
     def _now(self) -> tuple[Time, float]:
+        """The node clock now (``Time``, seconds); every read checks for a backwards jump."""
+        return self._clock_watch.now()
+
+    def _read_clock(self) -> tuple[Time, float]:
         now = self.get_clock().now()
         return now.to_msg(), now.nanoseconds * 1e-9
+
+    def _on_clock_jump(self, from_s: float, to_s: float) -> None:
+        """The node clock went back: inputs received before belong to the old time base (dropped), time
+        triggers and waiting requests restart (next cycle)."""
+        self._status.record_event("clock_jumps", f"{from_s:.3f} s -> {to_s:.3f} s")
+        self._time_warner.drop("clock_jump", f"the node clock jumped back from {from_s:.3f} s to {to_s:.3f} s "
+                               "(a /clock reset?): frames and joint states received before are not used, "
+                               "staleness and time triggers restart from the new time")
+        inputs = self._inputs
+        if inputs is not None:
+            inputs.clear()
+        self._stamps.clear()
+        self._time_restart.set()
 
     def _on_image(self, msg, camera: CameraSettings) -> None:
         if not self._active:
@@ -366,14 +516,64 @@ class OxygenNode(LifecycleNode):
             self._drops.drop(error.reason, f"{camera.topic}: {error}")
             return
         now_msg, now_s = self._now()
-        stamp = now_msg if is_zero(msg.header.stamp) else msg.header.stamp
+        if not clock_started(now_s):
+            self._drops.drop("clock_not_started", f"{camera.topic}: frame received before the node clock "
+                             "started (use_sim_time and no /clock yet): its age cannot be measured")
+            return
+        if is_zero(msg.header.stamp):
+            stamp = now_msg
+        else:
+            stamp = msg.header.stamp
+            previous = self._stamps.observe(camera.slot, stamp_seconds(stamp), now_s)
+            if previous is not None:
+                self._status.record_event("stamp_jumps", f"{camera.topic}: {previous:.3f} s -> "
+                                          f"{stamp_seconds(stamp):.3f} s")
+                self._time_warner.drop("stamp_jump", f"{camera.topic}: header stamps went back from "
+                                       f"{previous:.3f} s to {stamp_seconds(stamp):.3f} s (a bag replayed in a "
+                                       "loop?): time triggers and waiting requests restart from the new time")
+                self._time_restart.set()
         self._inputs.store_frame(camera.slot, Frame(image, stamp, now_s))
 
-    def _on_incompatible_qos(self, info: QoSRequestedIncompatibleQoSInfo, topic: str) -> None:
-        self._drops.drop("incompatible_qos", f"{topic}: a publisher's QoS is incompatible with this subscription "
-                         f"(policy id {info.last_policy_kind}); check camera_reliability")
+    def _on_incompatible_qos(self, info, direction: str, topic: str,
+                             ignored_policy: QoSPolicyKind | None = None) -> None:
+        """Count an incompatible-QoS event of a ``subscription`` or ``publisher`` of ``topic``."""
+        try:
+            policy = QoSPolicyKind(info.last_policy_kind)
+        except ValueError:
+            policy = None
+        if ignored_policy is not None and policy == ignored_policy:
+            return
+        other = "publisher" if direction == "subscription" else "subscription"
+        name = f"policy id {info.last_policy_kind}" if policy is None else policy.name
+        self._qos_events.drop(f"{direction} {self.resolve_topic_name(topic)}",
+                              f"a {other} with incompatible QoS ({name}) cannot connect to this {direction}: "
+                              "no messages pass between them (see the QoS column of the README's topic table)")
+
+    def _check_parameter_change(self, parameters) -> SetParametersResult:
+        reason = check_dynamic_change(parameters)
+        return SetParametersResult(successful=reason is None, reason=reason or "")
+
+    def _on_latched_instruction(self, msg: String) -> None:
+        """The transient-local subscription: only the latched instruction, while none has arrived (live
+        messages of the same publisher also arrive on the volatile subscription)."""
+        if not self._instruction_received:
+            self._on_instruction(msg)
+
+    def _on_robot_description(self, msg: String) -> None:
+        try:
+            limits, unlimited = limits_from_urdf(msg.data, self._settings.action_names)
+        except ValueError as error:
+            self._robot_description_error = str(error)
+            self._withheld.drop("no_joint_limits", f"{error}; action chunks are withheld until a valid "
+                                "robot_description arrives")
+            return
+        self._joint_limits, self._robot_description_error = limits, None
+        self.get_logger().info(f"joint limits from robot_description: {limits.limited} of "
+                               f"{len(self._settings.action_names)} action dimensions limited"
+                               + (f" (no limit for {unlimited})" if unlimited else ""))
 
     def _on_instruction(self, msg: String) -> None:
+        self._instruction_received = True
         text = msg.data
         limit = self.get_parameter("max_instruction_chars").value
         if len(text) > limit:
@@ -396,7 +596,12 @@ class OxygenNode(LifecycleNode):
         except InputError as error:
             self._drops.drop(error.reason, f"{self._settings.joint_states_topic}: {error}")
             return
-        self._inputs.store_joint_state(state, self._now()[1])
+        now_s = self._now()[1]
+        if not clock_started(now_s):
+            self._drops.drop("clock_not_started", f"{self._settings.joint_states_topic}: joint state received "
+                             "before the node clock started (use_sim_time and no /clock yet)")
+            return
+        self._inputs.store_joint_state(state, now_s)
 
     # ---- the control cycle (its own thread) ---------------------------------------------------
 
@@ -419,14 +624,35 @@ class OxygenNode(LifecycleNode):
                 next_start = now
             self._stop.wait(next_start - now)
 
+    def _skip(self, reason: str, detail: str) -> None:
+        self._status.record_skip(detail)
+        self._skips.drop(reason, f"no action chunk this cycle: {detail}")
+
     def _run_one_cycle(self, settings: NodeSettings, engine: Engine, inputs: InputStore, deadline: float) -> None:
         _, now_s = self._now()
-        staleness = self.get_parameter("staleness_limit_s").value
-        ready = inputs.observation(now_s, staleness, self._seq)
-        if isinstance(ready, str):
-            self._status.record_skip(ready)
-            self._skips.drop("no_observation", f"no action chunk this cycle: {ready}")
+        if not clock_started(now_s):
+            self._skip("clock_not_started", "the node clock has not started (use_sim_time: no /clock yet)")
             return
+        receipts = inputs.receipts
+        if self._last_cycle_clock == (now_s, receipts):
+            # Staleness is judged on the node clock: a paused /clock ages nothing, so the same frozen
+            # inputs would be used again and again.
+            self._skip("clock_paused", f"the node clock stands at {now_s:.3f} s (paused /clock?) and no input "
+                       "arrived since the last chunk")
+            return
+        if settings.joint_limits_from_robot_description and self._joint_limits is None:
+            self._skip("no_joint_limits", "no joint limits yet: waiting for robot_description"
+                       + (f" ({self._robot_description_error})" if self._robot_description_error else ""))
+            return
+        staleness = self.get_parameter("staleness_limit_s").value
+        ready = inputs.observation(lambda: self._now()[1], staleness, self._seq)
+        if isinstance(ready, str):
+            self._skip("no_observation", ready)
+            return
+        self._last_cycle_clock = (now_s, receipts)
+        if self._time_restart.is_set():
+            self._time_restart.clear()
+            self._restart_waiting_requests(engine, ready.observation.stamp)
         self._seq += 1
         info = _ObservationInfo(ready.stamp, ready.observation.instruction, ready.camera_slots)
         self._observations[ready.observation.seq] = info
@@ -441,14 +667,78 @@ class OxygenNode(LifecycleNode):
                                   sum(r.status == RequestStatus.RUNNING for r in active),
                                   sum(r.status == RequestStatus.WAITING for r in active))
 
+    def _restart_waiting_requests(self, engine: Engine, stamp_s: float) -> None:
+        """After a backwards jump of time: waiting language requests triggered by an observation stamped
+        after ``stamp_s`` (on the old time base) are cancelled; their wait cannot be measured on the new
+        one (``max_wait_s``), and their final Speech goes out with the next cycle."""
+        for request in engine.active_requests:
+            if request.status == RequestStatus.WAITING and request.stamp > stamp_s:
+                engine.cancel(request.request_id)
+
     def _publish_action(self, chunk: ActionChunk, info: _ObservationInfo, settings: NodeSettings) -> None:
-        self._chunk_pub.publish(conversions.action_chunk_msg(
-            chunk, info.stamp, settings.frame_id, settings.action_names, settings.action_dt_s, settings.model_id))
-        if self._trajectory_pub is not None:
-            stamp = info.stamp if settings.trajectory_stamp_policy == "observation" else Time()
-            self._trajectory_pub.publish(conversions.joint_trajectory_msg(
-                chunk, stamp, settings.frame_id, settings.action_names, settings.trajectory_joint_names,
-                settings.action_dt_s))
+        """Check the chunk (finite, joint limits, expiry) and publish the ActionChunk and JointTrajectory
+        the checks allow (module docstring of output_checks.py)."""
+        actions = chunk.actions
+        if not all_finite(actions):
+            bad = int(np.sum(~np.isfinite(actions)))
+            self._status.record_event("non_finite_actions", f"observation {chunk.seq}: {bad} of {actions.size} values")
+            self._withheld.drop("non_finite_actions", f"action chunk of observation {chunk.seq} withheld (neither "
+                                f"ActionChunk nor JointTrajectory sent): {bad} of {actions.size} values are NaN or "
+                                "infinite")
+            return
+        limits = self._joint_limits
+        if limits is not None and limits.violations(actions):
+            outside = limits.violations(actions)
+            policy = self.get_parameter("joint_limits.policy").value
+            self._status.record_event("limited_actions", f"observation {chunk.seq}: {outside} values {policy}ed")
+            (self._withheld if policy == "reject" else self._output_warner).drop(
+                "limited_actions", f"action chunk of observation {chunk.seq}: {outside} of {actions.size} values "
+                f"outside the joint limits ({limits.source}): "
+                + ("chunk withheld" if policy == "reject" else "clamped into them"))
+            if policy == "reject":
+                return
+            chunk = replace(chunk, actions=limits.clamp(actions))
+        expiry = self.get_parameter("expired_output_policy").value
+        _, now_s = self._now()
+        stamp_s = stamp_seconds(info.stamp)
+        horizon, dt = chunk.actions.shape[0], settings.action_dt_s
+        late = expired_by(stamp_s, (horizon - 1) * dt, now_s)
+        if late is not None:
+            self._status.record_event("expired_chunks", f"observation {chunk.seq}: {late:.3f} s past")
+            self._warn_expired("ActionChunk", late, now_s - stamp_s, expiry)
+        if late is None or expiry == "fallback":
+            self._chunk_pub.publish(conversions.action_chunk_msg(
+                chunk, info.stamp, settings.frame_id, settings.action_names, dt, settings.model_id))
+        if self._trajectory_pub is None:
+            return
+        stamp = Time()
+        if settings.trajectory_stamp_policy == "observation":
+            late = expired_by(stamp_s, horizon * dt, now_s)
+            if late is None:
+                stamp = info.stamp
+            else:
+                self._status.record_event("expired_trajectories", f"observation {chunk.seq}: {late:.3f} s past")
+                self._warn_expired("JointTrajectory", late, now_s - stamp_s, expiry)
+                if expiry == "withhold":
+                    return
+        self._trajectory_pub.publish(conversions.joint_trajectory_msg(
+            chunk, stamp, settings.frame_id, settings.action_names, settings.trajectory_joint_names, dt))
+
+    def _warn_expired(self, output: str, late_s: float, behind_s: float, policy: str) -> None:
+        """One warning per activation for the first expired output, naming the clock offset."""
+        if self._expiry_warned:
+            return
+        self._expiry_warned = True
+        offset = self._stamps.largest_offset()
+        action = {"fallback": "JointTrajectories go out with stamp 0 (start on receipt), ActionChunks as they are",
+                  "withhold": "such outputs are withheld"}[policy]
+        self.get_logger().warning(
+            f"{output} already {late_s:.3f} s past its last point at publication: the observation stamp is "
+            f"{behind_s:.3f} s behind the node clock"
+            + ("" if offset is None else f" (camera header stamps vs node clock at receipt: {offset:+.3f} s)")
+            + f". expired_output_policy {policy}: {action}; counted in ~/status (expired_chunks, "
+            "expired_trajectories). Synchronise the camera and node clocks, or use trajectory_stamp_policy: now. "
+            "This warning is given once per activation.")
 
     def _info(self, seq: int, stamp_s: float) -> _ObservationInfo:
         info = self._observations.get(seq)
@@ -471,6 +761,12 @@ class OxygenNode(LifecycleNode):
             if event.final and event.status == RequestStatus.COMPLETED:
                 self._publish_speech_text(event)
         for entry in memories:
+            if entry.embedding is not None and not all_finite(entry.embedding):
+                bad = int(np.sum(~np.isfinite(entry.embedding)))
+                self._status.record_event("non_finite_embeddings", f"memory request {entry.request_id}")
+                self._withheld.drop("non_finite_embeddings", f"memory entry of observation {entry.seq} withheld: "
+                                    f"{bad} of {entry.embedding.size} embedding values are NaN or infinite")
+                continue
             info = self._info(entry.seq, entry.stamp)
             self._memory_pub.publish(conversions.memory_entry_msg(
                 entry, info.stamp, f"{self._session}-{entry.request_id}", info.camera_slots, info.instruction))
@@ -494,15 +790,21 @@ class OxygenNode(LifecycleNode):
             return
         now_msg, now_s = self._now()
         status = window = None
+        qos_total = self._qos_events.total()
         if self._active:
             window = self._status.window()
             pool = engine.pool
             status = engine_status_msg(window, now_msg, engine.metrics_records.action_horizon, self._drops.total(),
-                                       pool.used_bytes, pool.num_blocks * pool.bytes_per_block)
+                                       pool.used_bytes, pool.num_blocks * pool.bytes_per_block,
+                                       self._stamps.largest_offset(), qos_total)
             self._status_pub.publish(status)
         diagnostics = diagnostic_array(
             self.get_fully_qualified_name(), settings.model_id, self._lifecycle_state, status, window,
-            self._drops.counts(), inputs.frame_ages(now_s), settings.control_rate_hz)
+            self._drops.counts(), inputs.frame_ages(now_s), settings.control_rate_hz,
+            camera_offsets=self._stamps.offsets(),
+            offset_warn_s=self.get_parameter("camera_clock_offset_warn_s").value,
+            qos_events=self._qos_events.counts(), new_qos_events=qos_total - self._qos_reported)
+        self._qos_reported = qos_total
         diagnostics.status[0].values.append(KeyValue(key="speech_text_withheld",
                                                      value=str(self._speech_text_withheld)))
         self._diagnostics_pub.publish(diagnostics)

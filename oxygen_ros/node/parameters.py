@@ -7,7 +7,8 @@ change needs a reconfigure: model, topics, camera slots, rates, engine). Arrays 
 also be empty) are parallel to ``camera_topics``.
 
 Read-only parameters are read once, in ``configure``; the rest (``staleness_limit_s``,
-``max_instruction_chars``) may be changed at run time with ``ros2 param set``.
+``max_instruction_chars``, ``joint_limits.policy``, ``expired_output_policy``,
+``camera_clock_offset_warn_s``) may be changed at run time with ``ros2 param set``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from rclpy.parameter import Parameter
 from oxygen_ros.models.config import get_preset
 from oxygen_ros.models.conventions import MODEL_CAMERA_SLOTS, NORM_MODES, Conventions, apply_settings, \
     resolve_conventions
+from oxygen_ros.node.output_checks import (EXPIRED_OUTPUT_POLICIES, LIMIT_POLICIES, JointLimits,
+                                           limits_from_parameters)
 
 TRANSPORTS = ("raw", "compressed")
 RELIABILITIES = ("best_effort", "reliable")
@@ -143,7 +146,29 @@ _DECLARATIONS: dict[str, tuple] = {
     "trajectory_stamp_policy": ("now", "JointTrajectory header.stamp: now (stamp 0: the controller starts "
                                 "on receipt) or observation (the observation's stamp: point i is due at "
                                 "observation + (i+1)*dt, so the inference latency is accounted for)", {}, True),
+    # ---- output checks (what leaves the node) and time
+    "joint_limits.lower": (Parameter.Type.DOUBLE_ARRAY,
+                           "lower position limit of each action dimension (parallel to action_names; -.inf = "
+                           "none) [rad or m]; empty = no limits from parameters", {}, True),
+    "joint_limits.upper": (Parameter.Type.DOUBLE_ARRAY,
+                           "upper position limit of each action dimension (parallel to action_names; .inf = "
+                           "none) [rad or m]", {}, True),
+    "joint_limits.from_robot_description": (False, "read the position limits of the action dimensions named "
+                                            "like URDF joints from std_msgs/String robot_description "
+                                            "(transient local); no chunk is published until it arrives",
+                                            {}, True),
+    "joint_limits.policy": ("clamp", "an action chunk with a value outside the joint limits: clamp (clip "
+                            "into them) or reject (withhold the chunk); counted either way", {}, False),
+    "expired_output_policy": ("fallback", "an output whose last point is already past at publication: "
+                              "fallback (JointTrajectory sent with stamp 0, ActionChunk sent as it is) or "
+                              "withhold (not sent); counted and warned either way", {}, False),
+    "camera_clock_offset_warn_s": (1.0, "/diagnostics warns when a camera's header stamps differ from the node "
+                                   "clock at receipt by more than this [s]",
+                                   {"floating_point_range": _float_range(0.0, 1e9)}, False),
 }
+
+# Parameters that may change at run time and take a value from a fixed set: checked when set.
+DYNAMIC_CHOICES = {"joint_limits.policy": LIMIT_POLICIES, "expired_output_policy": EXPIRED_OUTPUT_POLICIES}
 
 
 @dataclass(frozen=True)
@@ -213,6 +238,8 @@ class NodeSettings:
     publish_trajectory: bool
     trajectory_joint_names: tuple[str, ...]
     trajectory_stamp_policy: str
+    joint_limits: JointLimits | None
+    joint_limits_from_robot_description: bool
 
     @property
     def model_camera_slots(self) -> tuple[str, ...]:
@@ -303,6 +330,13 @@ def read_settings(node: Node) -> NodeSettings:
     unknown = set(trajectory_names) - set(action_names)
     if unknown:
         raise ValueError(f"parameter trajectory_joint_names: {sorted(unknown)} are not in action_names")
+    joint_limits = limits_from_parameters(list(v["joint_limits.lower"]), list(v["joint_limits.upper"]),
+                                          action_names)
+    if joint_limits is not None and v["joint_limits.from_robot_description"]:
+        raise ValueError("parameters joint_limits.lower / joint_limits.upper and "
+                         "joint_limits.from_robot_description: set one source of joint limits, not both")
+    for name, allowed in DYNAMIC_CHOICES.items():
+        _choice(name, v[name], allowed)
     if v["speech.enabled"] and not (v["speech.trigger_every_n_frames"] or v["speech.trigger_every_s"]
                                     or v["speech.trigger_on_new_instruction"]):
         raise ValueError("speech is enabled but has no trigger: set speech.trigger_every_n_frames, "
@@ -332,7 +366,9 @@ def read_settings(node: Node) -> NodeSettings:
         frame_id=v["frame_id"], publish_trajectory=bool(v["publish_trajectory"]),
         trajectory_joint_names=trajectory_names,
         trajectory_stamp_policy=_choice("trajectory_stamp_policy", v["trajectory_stamp_policy"],
-                                        TRAJECTORY_STAMP_POLICIES))
+                                        TRAJECTORY_STAMP_POLICIES),
+        joint_limits=joint_limits,
+        joint_limits_from_robot_description=bool(v["joint_limits.from_robot_description"]))
 
 
 def _conventions(v: dict, joint_names: tuple[str, ...], cameras: tuple[CameraSettings, ...]) -> Conventions:
@@ -364,3 +400,13 @@ def _conventions(v: dict, joint_names: tuple[str, ...], cameras: tuple[CameraSet
                 raise ValueError(f"parameter camera_slots lacks {spec.slot} but {conventions.source} requires it "
                                  f"({spec.key})")
     return conventions
+
+
+def check_dynamic_change(parameters: list[Parameter]) -> str | None:
+    """Why a run-time change of :data:`DYNAMIC_CHOICES` parameters is refused, or None when it is valid
+    (for an ``add_on_set_parameters_callback``)."""
+    for parameter in parameters:
+        allowed = DYNAMIC_CHOICES.get(parameter.name)
+        if allowed is not None and parameter.value not in allowed:
+            return f"parameter {parameter.name}: {parameter.value!r} is not one of {list(allowed)}"
+    return None
