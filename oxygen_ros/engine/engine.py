@@ -202,7 +202,7 @@ class Engine:
                                                       False, False)])[0]
                 actions = self._denoise(node, obs)
                 if on_action is not None:
-                    on_action(ActionChunk(self._processor.actions_out(actions[0]), obs.seq, obs.stamp,
+                    on_action(ActionChunk(self._processor.actions_out(actions[0], obs.state), obs.seq, obs.stamp,
                                           time.perf_counter() - t0))
             finally:
                 self._tree.clear()
