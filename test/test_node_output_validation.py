@@ -63,7 +63,9 @@ def guarded(overflowing):
     lower = [JOINT_1_LIMITS[0]] + [-math.inf] * 6
     upper = [JOINT_1_LIMITS[1]] + [math.inf] * 6
     h = Harness(tiny_parameters(**{
-        "preset": "pi0_tiny", "checkpoint": overflowing, "speech.enabled": False,
+        # the checkpoint carries no statistics: identity normalisation (a family that normalises
+        # refuses a checkpoint without them)
+        "preset": "pi0_tiny", "checkpoint": overflowing, "norm_mode": "identity", "speech.enabled": False,
         "memory.trigger_every_s": 1.0, "memory.prompt_template": "{instruction} " + MEMORY_WORD,
         # k decode steps every cycle, slack or not: memory requests complete however loaded the machine is
         "engine.scheduling": "fixed_k", "engine.decode_steps_per_cycle": 8,
@@ -147,7 +149,7 @@ def test_a_non_finite_warm_up_fails_configure(ros_context, tmp_path):
 
     checkpoint = _pi0_tiny_checkpoint(tmp_path / "nan_head", edit)
     node = OxygenNode(context=ros_context, parameter_overrides=tiny_parameters(
-        autostart=False, preset="pi0_tiny", checkpoint=checkpoint))
+        autostart=False, preset="pi0_tiny", checkpoint=checkpoint, norm_mode="identity"))
     try:
         assert node.trigger_configure() != TransitionCallbackReturn.SUCCESS
         assert node.engine is None and node.lifecycle_state == "unconfigured"
