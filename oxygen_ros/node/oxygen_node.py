@@ -56,6 +56,7 @@ from trajectory_msgs.msg import JointTrajectory
 
 from oxygen_ros.engine import ActionChunk, Engine, RequestStatus
 from oxygen_ros.node import conversions
+from oxygen_ros.node.commands import Commands
 from oxygen_ros.node.diagnostics import StatusTracker, diagnostic_array, engine_status_msg
 from oxygen_ros.node.image_conversion import ImageConversionError, compressed_to_rgb, image_to_rgb
 from oxygen_ros.node.inputs import DropCounter, Frame, InputError, InputStore, is_zero
@@ -125,6 +126,8 @@ class OxygenNode(LifecycleNode):
         # Raises InvalidParameterTypeException / InvalidParameterValueException for a value of the wrong
         # type or out of range (overrides, a params file): rclpy checks them at declaration.
         declare_parameters(self)
+        # ~/ask, ~/pause_actions, ~/resume_actions, ~/set_instruction (oxygen_ros/node/commands.py)
+        self._commands = Commands(self)
         if self.get_parameter("autostart").value:
             self._autostart_timer = self.create_timer(0.0, self._autostart)
 
@@ -147,6 +150,20 @@ class OxygenNode(LifecycleNode):
     def skipped_cycles(self) -> int:
         """Control cycles since activation that had no usable observation (no chunk published)."""
         return self._skips.total()
+
+    @property
+    def commands(self) -> Commands:
+        """The ask / command interface (``~/ask``, ``~/pause_actions``, ``~/resume_actions``,
+        ``~/set_instruction``)."""
+        return self._commands
+
+    def utterance_id(self, request_id: int) -> str:
+        """The id that the Speech messages (or MemoryEntry) of engine request ``request_id`` carry."""
+        return f"{self._session}-{request_id}"
+
+    def observation_stamp(self, seq: int, stamp_s: float) -> Time:
+        """The stamp the outputs of observation ``seq`` carry (``stamp_s``: its stamp in seconds)."""
+        return self._info(seq, stamp_s).stamp
 
     @property
     def configure_error(self) -> str | None:
@@ -254,10 +271,12 @@ class OxygenNode(LifecycleNode):
         still be inside torch when the interpreter tears down (``terminate called without an active
         exception``)."""
         self._release()
+        self._commands.destroy()
         super().destroy_node()
 
     def _release(self) -> None:
         self._stop_cycles()
+        self._commands.end_goals("the node released its engine (cleanup, shutdown or exit)")
         for timer in self._owned_timers:
             self.destroy_timer(timer)
         for subscription in self._owned_subscriptions:
@@ -365,19 +384,32 @@ class OxygenNode(LifecycleNode):
                          f"(policy id {info.last_policy_kind}); check camera_reliability")
 
     def _on_instruction(self, msg: String) -> None:
-        text = msg.data
+        self.take_instruction(msg.data)
+
+    def take_instruction(self, text: str) -> tuple[bool, str]:
+        """Validate and store an instruction (from the instruction topic or ``~/set_instruction``).
+
+        Returns:
+            (taken, what happened): refused when the node is not configured, the text is empty or longer
+            than ``max_instruction_chars`` (counted as a dropped input).
+        """
+        inputs = self._inputs
+        if inputs is None:
+            return False, f"the node is {self._lifecycle_state}: configure it first"
         limit = self.get_parameter("max_instruction_chars").value
         if len(text) > limit:
-            self._drops.drop("instruction_too_long", f"instruction of {len(text)} characters exceeds "
-                             f"max_instruction_chars {limit}; keeping {self._inputs.instruction!r}")
-            return
+            reason = f"instruction of {len(text)} characters exceeds max_instruction_chars {limit}"
+            self._drops.drop("instruction_too_long", f"{reason}; keeping {inputs.instruction!r}")
+            return False, reason
         if not text.strip():
             self._drops.drop("instruction_empty", "empty instruction ignored")
-            return
-        if self._inputs.store_instruction(text):
-            self.get_logger().info(f"instruction: {text[:200]!r}")
-            if self._active and self._settings.speech_enabled and self._settings.speech_cancel_on_new_instruction:
-                self._engine.cancel_task("speech")
+            return False, "empty instruction ignored"
+        if not inputs.store_instruction(text):
+            return True, "instruction unchanged"
+        self.get_logger().info(f"instruction: {text[:200]!r}")
+        if self._active and self._settings.speech_enabled and self._settings.speech_cancel_on_new_instruction:
+            self._engine.cancel_task("speech")
+        return True, "instruction set: the next control cycle uses it"
 
     def _on_joint_state(self, msg: JointState) -> None:
         if not self._active:
@@ -417,14 +449,15 @@ class OxygenNode(LifecycleNode):
         if isinstance(ready, str):
             self._status.record_skip(ready)
             self._skips.drop("no_observation", f"no action chunk this cycle: {ready}")
+            self._publish_language(*engine.take_events())    # requests cancelled meanwhile still end
             return
         self._seq += 1
         info = _ObservationInfo(ready.stamp, ready.observation.instruction, ready.camera_slots)
         self._observations[ready.observation.seq] = info
         while len(self._observations) > _OBSERVATIONS_KEPT:
             self._observations.popitem(last=False)
-        result = engine.run_cycle(ready.observation, deadline,
-                                  on_action=lambda chunk: self._publish_action(chunk, info, settings))
+        result = engine.run_cycle(ready.observation, deadline, on_action=lambda chunk: self._commands.gate_action(
+            lambda: self._publish_action(chunk, info, settings)))    # withheld while ~/pause_actions
         dropped = sum(1 for e in result.text_events if e.final and e.status == RequestStatus.DROPPED)
         self._publish_language(result.text_events, result.memory_entries)
         active = engine.active_requests
@@ -458,13 +491,16 @@ class OxygenNode(LifecycleNode):
             if not event.final:
                 self._utterance_sequence[event.request_id] = sequence + 1
             self._speech_pub.publish(conversions.speech_msg(
-                event, info.stamp, f"{self._session}-{event.request_id}", sequence, info.instruction))
+                event, info.stamp, self.utterance_id(event.request_id), sequence,
+                self._commands.instruction_for(event.request_id, info.instruction)))
             if event.final and event.status == RequestStatus.COMPLETED and event.text:
                 self._speech_text_pub.publish(String(data=event.text))
         for entry in memories:
             info = self._info(entry.seq, entry.stamp)
             self._memory_pub.publish(conversions.memory_entry_msg(
-                entry, info.stamp, f"{self._session}-{entry.request_id}", info.camera_slots, info.instruction))
+                entry, info.stamp, self.utterance_id(entry.request_id), info.camera_slots,
+                self._commands.instruction_for(entry.request_id, info.instruction)))
+        self._commands.on_language(events)    # ~/ask goals: feedback and results
 
     # ---- status (executor thread) -------------------------------------------------------------
 
