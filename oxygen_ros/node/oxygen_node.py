@@ -15,7 +15,9 @@ With ``autostart`` (default true) the node drives configure → activate itself.
 Threads: subscription callbacks (executor) only convert and store the latest inputs; one control-cycle
 thread runs the engine at ``control_rate_hz`` (wall clock), and publishes the action chunk as soon as it
 is ready, then the speech and memory outputs of the language work done in the cycle's slack. The
-executor never waits for inference.
+executor never waits for inference. Lifecycle state queries and parameter reads are in a callback group of
+their own, and so are the ask / command services (oxygen_ros/node/commands.py): the ``oxygen_node``
+executable spins a multi-threaded executor, so they answer while configure loads the model.
 
 Topics (relative names resolve in the node's namespace; ``~`` is the node's private namespace):
     in   camera_topics[i]          sensor_msgs/Image or CompressedImage, sensor-data QoS (best effort,
@@ -29,6 +31,11 @@ Topics (relative names resolve in the node's namespace; ``~`` is the node's priv
     out  ~/memory                  oxygen_ros/MemoryEntry, reliable, depth 10
     out  ~/status                  oxygen_ros/EngineStatus, reliable, depth 10, at status_rate_hz
     out  /diagnostics              diagnostic_msgs/DiagnosticArray, reliable, depth 10, at status_rate_hz
+
+Services and actions (oxygen_ros/node/commands.py):
+    ~/ask                          oxygen_ros/action/Ask: one language output on request (feedback, cancel)
+    ~/pause_actions, ~/resume_actions  oxygen_ros/srv/SwitchActions: withhold / restore the action outputs
+    ~/set_instruction              oxygen_ros/srv/SetInstruction: set the instruction, with an answer
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ from oxygen_ros.msg import ActionChunk as ActionChunkMsg
 from oxygen_ros.msg import EngineStatus, MemoryEntry, Speech
 from rclpy.event_handler import QoSRequestedIncompatibleQoSInfo, SubscriptionEventCallbacks
 from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy,
                        qos_profile_sensor_data)
@@ -65,6 +73,11 @@ from oxygen_ros.node.parameters import CameraSettings, NodeSettings, declare_par
 
 _INSTRUCTION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.RELIABLE,
                               durability=DurabilityPolicy.TRANSIENT_LOCAL)
+# Services that only read state: with a multi-threaded executor they answer while a transition runs (configure
+# loads the model). Transitions, parameter changes, timers and subscriptions stay in the default group, one at a
+# time, as with a single-threaded executor.
+_QUERY_SERVICES = ("get_state", "get_available_states", "get_available_transitions", "get_transition_graph",
+                   "describe_parameters", "get_parameters", "get_parameter_types", "list_parameters")
 _OBSERVATIONS_KEPT = 4096   # stamps/instructions of recent observations, for outputs of long language requests
 
 
@@ -101,6 +114,11 @@ class OxygenNode(LifecycleNode):
 
     def __init__(self, node_name: str = "oxygen_node", **kwargs):
         super().__init__(node_name, **kwargs)
+        self._query_group = MutuallyExclusiveCallbackGroup()
+        for service in self.services:
+            if service.srv_name.rsplit("/", 1)[-1] in _QUERY_SERVICES:
+                service.callback_group = self._query_group
+                self._query_group.add_entity(service)
         self._lifecycle_state = "unconfigured"
         self._settings: NodeSettings | None = None
         self._engine: Engine | None = None
@@ -393,8 +411,8 @@ class OxygenNode(LifecycleNode):
             (taken, what happened): refused when the node is not configured, the text is empty or longer
             than ``max_instruction_chars`` (counted as a dropped input).
         """
-        inputs = self._inputs
-        if inputs is None:
+        inputs, settings, engine = self._inputs, self._settings, self._engine
+        if inputs is None or settings is None or engine is None:
             return False, f"the node is {self._lifecycle_state}: configure it first"
         limit = self.get_parameter("max_instruction_chars").value
         if len(text) > limit:
@@ -407,8 +425,8 @@ class OxygenNode(LifecycleNode):
         if not inputs.store_instruction(text):
             return True, "instruction unchanged"
         self.get_logger().info(f"instruction: {text[:200]!r}")
-        if self._active and self._settings.speech_enabled and self._settings.speech_cancel_on_new_instruction:
-            self._engine.cancel_task("speech")
+        if self._active and settings.speech_enabled and settings.speech_cancel_on_new_instruction:
+            engine.cancel_task("speech")
         return True, "instruction set: the next control cycle uses it"
 
     def _on_joint_state(self, msg: JointState) -> None:
@@ -548,7 +566,10 @@ def main(args=None) -> int:
         print(f"oxygen_node: invalid parameter: {_error_line(error)}", file=sys.stderr)
         rclpy.try_shutdown()
         return 2
-    executor = SingleThreadedExecutor()
+    # Three threads: the default group (transitions, parameter changes, timers, subscriptions), the query
+    # services (lifecycle state, parameter reads) and the ask / command interface, so that these answer while
+    # configure loads the model. Inference runs on the node's own control-cycle thread.
+    executor = MultiThreadedExecutor(num_threads=3)
     executor.add_node(node)
     status = 0
     try:
