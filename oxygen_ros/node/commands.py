@@ -264,5 +264,7 @@ class Commands:
             mailbox.put(ended=reason)
 
     def destroy(self) -> None:
-        """Destroy the action server (the services go with the node)."""
-        self._ask.destroy()
+        """Destroy the action server (the services go with the node). Idempotent."""
+        if self._ask is not None:
+            self._ask.destroy()
+            self._ask = None

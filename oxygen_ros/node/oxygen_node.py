@@ -143,9 +143,10 @@ class OxygenNode(LifecycleNode):
         self._autostart_failed: str | None = None
         # Raises InvalidParameterTypeException / InvalidParameterValueException for a value of the wrong
         # type or out of range (overrides, a params file): rclpy checks them at declaration.
-        declare_parameters(self)
-        # ~/ask, ~/pause_actions, ~/resume_actions, ~/set_instruction (oxygen_ros/node/commands.py)
+        # ~/ask, ~/pause_actions, ~/resume_actions, ~/set_instruction (oxygen_ros/node/commands.py); before
+        # the parameters, so that a node whose declaration fails can still be destroyed
         self._commands = Commands(self)
+        declare_parameters(self)
         if self.get_parameter("autostart").value:
             self._autostart_timer = self.create_timer(0.0, self._autostart)
 
