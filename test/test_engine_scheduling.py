@@ -234,9 +234,12 @@ def test_config_validation_and_yaml(tmp_path):
         EngineConfig.from_dict({"modes": "unified"})
     with pytest.raises(ValueError, match="mode"):
         EngineConfig.from_dict({"mode": "fast"})
-    with pytest.raises(ValueError, match="trigger"):
-        EngineConfig.from_dict({"language_tasks": [{"name": "x", "prompt_template": "{instruction}",
-                                                     "trigger": {}}]})
+    with pytest.raises(ValueError, match="trigger is required"):
+        EngineConfig.from_dict({"language_tasks": [{"name": "x", "prompt_template": "{instruction}"}]})
+    # An empty trigger: the task runs only on request (Engine.submit; test_engine_submit.py).
+    on_request = EngineConfig.from_dict({"language_tasks": [{"name": "x", "prompt_template": "{instruction}",
+                                                             "trigger": {}}]}).task("x").trigger
+    assert (on_request.every_n_frames, on_request.every_s, on_request.on_new_instruction) == (None, None, False)
     with pytest.raises(ValueError, match="unique"):
         dataclasses.replace(config, language_tasks=config.language_tasks * 2)
     for bad, where in (({"cuda_graphs": "no"}, "cuda_graphs"),

@@ -1,7 +1,8 @@
 """The launch file and parameter files, checked statically (launch_ros is not installable here):
 the launch file parses, declares the documented arguments, names an executable and a parameter file
-that exist in the install; every config/*.yaml sets only parameters the node declares, with values
-that pass the node's own validation."""
+that exist in the install, hands typed arguments to launch_ros's own conversion and the log level to the
+node's ROS arguments; every config/*.yaml is keyed for any namespace and sets only parameters the node
+declares, with values that pass the node's own validation."""
 from __future__ import annotations
 
 import ast
@@ -10,11 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_node_support import REPO_ROOT
+from test_node_support import INSTALL_PREFIX, REPO_ROOT, node_section
 
 pytestmark = pytest.mark.ros
 
-INSTALL_SHARE = REPO_ROOT / "install" / "oxygen_ros" / "share" / "oxygen_ros"
+INSTALL_SHARE = INSTALL_PREFIX / "share" / "oxygen_ros"
 CONFIGS = sorted((REPO_ROOT / "config").glob("*.yaml"))
 
 
@@ -32,12 +33,13 @@ def test_launch_file_declares_the_arguments_and_names_installed_files():
     tree = ast.parse(source)
     assert any(isinstance(n, ast.FunctionDef) and n.name == "generate_launch_description" for n in tree.body)
     arguments = {call.args[0].value for call in _calls(tree, "DeclareLaunchArgument")}
-    assert arguments == {"params_file", "namespace", "use_sim_time", "checkpoint", "device", "autostart"}
+    assert arguments == {"params_file", "namespace", "log_level", "use_sim_time", "checkpoint", "device", "autostart",
+                         "camera_topics", "instruction_topic", "joint_states_topic"}
     (node,) = _calls(tree, "LifecycleNode")
     keywords = _keywords(node)
     assert keywords["package"].value == "oxygen_ros"
     executable = keywords["executable"].value
-    assert (REPO_ROOT / "install" / "oxygen_ros" / "lib" / "oxygen_ros" / executable).is_file()
+    assert (INSTALL_PREFIX / "lib" / "oxygen_ros" / executable).is_file()
     assert keywords["name"].value == "oxygen_node"
     # the default parameter file: os.path.join(<share>, "config", "<file>")
     joins = [c for c in _calls(tree, "join") if len(c.args) == 3]
@@ -59,10 +61,15 @@ class _LaunchConfiguration(_Recorder):
         return context.launch_configurations[self.args[0]]
 
 
-def _run_launch_file(given: dict[str, str]) -> tuple[dict, list]:
+class _ParameterValue(_Recorder):
+    """Stands in for launch_ros's ParameterValue: the substitution and the ``value_type`` it converts to."""
+
+
+def _run_launch_file(given: dict[str, str]) -> tuple[dict, list, dict]:
     """Evaluate launch/oxygen.launch.py with stand-ins for launch / launch_ros (not installable here), as
-    ``ros2 launch ... name:=value`` for ``given``: returns the declared defaults and the node's
-    ``parameters`` list (substitutions as ``("LaunchConfiguration", name)``)."""
+    ``ros2 launch ... name:=value`` for ``given``: returns the declared defaults, the node's ``parameters``
+    list (substitutions as ``("LaunchConfiguration", name)``, typed ones as ``("ParameterValue", name,
+    value_type)``) and the node's other keyword arguments."""
     import importlib.util
     import sys
     import types
@@ -75,7 +82,7 @@ def _run_launch_file(given: dict[str, str]) -> tuple[dict, list]:
         "launch.substitutions": types.SimpleNamespace(LaunchConfiguration=_LaunchConfiguration),
         "launch_ros": types.ModuleType("launch_ros"),
         "launch_ros.actions": types.SimpleNamespace(LifecycleNode=_Recorder, Node=_Recorder),
-        "launch_ros.parameter_descriptions": types.SimpleNamespace(ParameterValue=_Recorder),
+        "launch_ros.parameter_descriptions": types.SimpleNamespace(ParameterValue=_ParameterValue),
     }
     saved = {name: sys.modules.get(name) for name in modules}
     sys.modules.update(modules)
@@ -104,28 +111,51 @@ def _run_launch_file(given: dict[str, str]) -> tuple[dict, list]:
     def plain(value):
         if isinstance(value, _LaunchConfiguration):
             return ("LaunchConfiguration", value.args[0])
-        if isinstance(value, _Recorder):    # ParameterValue(substitution, value_type=...)
-            return plain(value.args[0])
+        if isinstance(value, _ParameterValue):    # ParameterValue(substitution, value_type=...)
+            return ("ParameterValue", plain(value.args[0])[1], value.kwargs["value_type"])
+        if isinstance(value, list):
+            return [plain(v) for v in value]
         if isinstance(value, dict):
             return {k: plain(v) for k, v in value.items()}
         return value
 
-    return defaults, [plain(p) for p in node.kwargs["parameters"]]
+    return defaults, [plain(p) for p in node.kwargs["parameters"]], \
+        {k: plain(v) for k, v in node.kwargs.items() if k != "parameters"}
 
 
 def test_launch_arguments_override_the_params_file_only_when_given():
     """The params file's checkpoint / device / autostart / use_sim_time hold unless the argument is given
     (a default after params_file would silently replace the robot's checkpoint with random weights)."""
-    defaults, parameters = _run_launch_file({"params_file": "/robot.yaml"})
+    from typing import List
+
+    defaults, parameters, _ = _run_launch_file({"params_file": "/robot.yaml"})
     assert parameters == [("LaunchConfiguration", "params_file")], parameters
-    for name in ("use_sim_time", "checkpoint", "device", "autostart"):
+    for name in ("use_sim_time", "checkpoint", "device", "autostart", "camera_topics", "instruction_topic",
+                 "joint_states_topic"):
         assert defaults[name] == "", f"launch argument {name} has a default that would override the file"
-    _, parameters = _run_launch_file({"params_file": "/robot.yaml", "checkpoint": "/models/pi05_droid",
-                                      "device": "cuda:0", "autostart": "false"})
+    _, parameters, _ = _run_launch_file({"params_file": "/robot.yaml", "checkpoint": "/models/pi05_droid",
+                                         "device": "cuda:0", "autostart": "false"})
     assert parameters[0] == ("LaunchConfiguration", "params_file")
-    assert parameters[1:] == [{"checkpoint": "/models/pi05_droid", "device": "cuda:0", "autostart": False}]
-    _, parameters = _run_launch_file({"use_sim_time": "true"})
-    assert parameters[1:] == [{"use_sim_time": True}]
+    # Typed values are converted by launch_ros (ParameterValue with value_type), not parsed here.
+    assert parameters[1:] == [{"checkpoint": ("LaunchConfiguration", "checkpoint"),
+                               "device": ("LaunchConfiguration", "device"),
+                               "autostart": ("ParameterValue", "autostart", bool)}]
+    _, parameters, _ = _run_launch_file({"use_sim_time": "true"})
+    assert parameters[1:] == [{"use_sim_time": ("ParameterValue", "use_sim_time", bool)}]
+    _, parameters, _ = _run_launch_file({"camera_topics": "[/cam_high/image_raw, /cam_wrist/image_raw]",
+                                         "instruction_topic": "/planner/instruction",
+                                         "joint_states_topic": "/robot1/joint_states"})
+    assert parameters[1:] == [{"camera_topics": ("ParameterValue", "camera_topics", List[str]),
+                               "instruction_topic": ("LaunchConfiguration", "instruction_topic"),
+                               "joint_states_topic": ("LaunchConfiguration", "joint_states_topic")}]
+
+
+def test_launch_log_level_and_namespace_reach_the_node():
+    defaults, _, node = _run_launch_file({"namespace": "robot1", "log_level": "debug"})
+    assert defaults["log_level"] == "info"
+    assert node["ros_arguments"] == ["--log-level", ("LaunchConfiguration", "log_level")]
+    assert node["namespace"] == ("LaunchConfiguration", "namespace")
+    assert node["name"] == "oxygen_node"
 
 
 def _flat(mapping: dict, prefix: str = ""):
@@ -144,8 +174,8 @@ def test_config_files_set_declared_parameters_with_valid_values(path, ros_contex
     from oxygen_ros.node.parameters import read_settings
 
     data = yaml.safe_load(path.read_text())
-    assert list(data) == ["oxygen_node"]
-    values = dict(_flat(data["oxygen_node"]["ros__parameters"]))
+    assert list(data) == ["/**/oxygen_node"], "keyed for any namespace (namespace:=robot1 must still match)"
+    values = dict(_flat(node_section(data)["ros__parameters"]))
     node = OxygenNode(context=ros_context, parameter_overrides=[Parameter("autostart", value=False)])
     try:
         undeclared = sorted(name for name in values if not node.has_parameter(name))

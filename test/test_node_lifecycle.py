@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from test_node_support import REPO_ROOT, Harness, tiny_parameters, wait_for
+from test_node_support import EXECUTABLE, REPO_ROOT, Harness, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 
@@ -145,7 +145,7 @@ def test_executable_ends_cleanly_on_signal(signum, tmp_path):
     it takes is logged, not asserted: a busy CI machine must not make this flaky)."""
     from oxygen_ros.msg import ActionChunk  # noqa: F401  (the environment has the built package)
 
-    executable = REPO_ROOT / "install" / "oxygen_ros" / "lib" / "oxygen_ros" / "oxygen_node"
+    executable = EXECUTABLE
     params = REPO_ROOT / "config" / "pi05_tiny.yaml"
     process = subprocess.Popen([sys.executable, str(executable), "--ros-args", "--params-file", str(params)],
                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -10,11 +10,10 @@ import sys
 
 import pytest
 
-from test_node_support import REPO_ROOT, tiny_parameters
+from test_node_support import EXECUTABLE, REPO_ROOT, tiny_parameters
 
 pytestmark = pytest.mark.ros
 
-EXECUTABLE = REPO_ROOT / "install" / "oxygen_ros" / "lib" / "oxygen_ros" / "oxygen_node"
 TINY = REPO_ROOT / "config" / "pi05_tiny.yaml"
 
 

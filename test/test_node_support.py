@@ -17,15 +17,50 @@ import numpy as np
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _install_prefix() -> Path:
+    """Where oxygen_ros is installed: the ament index's prefix (a colcon workspace's ``install/oxygen_ros``, as
+    ``colcon test`` and a sourced workspace see it), else this repository's own ``install/oxygen_ros``
+    (``make setup``)."""
+    try:
+        from ament_index_python.packages import PackageNotFoundError, get_package_prefix
+    except ImportError:
+        return REPO_ROOT / "install" / "oxygen_ros"
+    try:
+        return Path(get_package_prefix("oxygen_ros"))
+    except (PackageNotFoundError, ValueError):
+        return REPO_ROOT / "install" / "oxygen_ros"
+
+
+INSTALL_PREFIX = _install_prefix()
+EXECUTABLE = INSTALL_PREFIX / "lib" / "oxygen_ros" / "oxygen_node"
 JOINTS = ["joint_1", "joint_2", "joint_3", "joint_4", "joint_5", "joint_6", "gripper"]
 _HARNESS_IDS = itertools.count(1)
+
+
+# Keys of a params file's section for this node, most specific first: rcl applies "/**/oxygen_node" (any
+# namespace, what the shipped files use), "oxygen_node" and "/oxygen_node" (the root namespace only).
+NODE_KEYS = ("/**/oxygen_node", "oxygen_node", "/oxygen_node")
+
+
+def node_section(data: dict) -> dict:
+    """The oxygen node's section of a parsed params file (under any key of :data:`NODE_KEYS`).
+
+    Raises:
+        KeyError: the file has no section for the node.
+    """
+    for key in NODE_KEYS:
+        if key in data:
+            return data[key]
+    raise KeyError(f"no section for oxygen_node (keys {list(data)}; expected one of {list(NODE_KEYS)})")
 
 
 def tiny_parameters(**changes) -> list:
     """``config/pi05_tiny.yaml`` as parameter overrides, with ``changes`` (dotted names) applied."""
     from rclpy.parameter import Parameter
 
-    data = yaml.safe_load((REPO_ROOT / "config" / "pi05_tiny.yaml").read_text())["oxygen_node"]["ros__parameters"]
+    data = node_section(yaml.safe_load((REPO_ROOT / "config" / "pi05_tiny.yaml").read_text()))["ros__parameters"]
 
     def flat(mapping, prefix=""):
         for key, value in mapping.items():

@@ -50,7 +50,9 @@ def _check_bool(value: Any, where: str) -> None:
 
 @dataclass(frozen=True)
 class TriggerConfig:
-    """When a language task starts a new request; any of the conditions fires it.
+    """When a language task starts a new request; any of the conditions fires it. With none set
+    (``trigger: {}``) the task runs only on request (:meth:`Engine.submit`, e.g. a question asked over
+    ROS).
 
     Attributes:
         every_n_frames: fire on every n-th observation (1 = every frame); None = off.
@@ -71,8 +73,6 @@ class TriggerConfig:
             raise ValueError(f"trigger.every_n_frames must be >= 1, got {self.every_n_frames}")
         if self.every_s is not None and not self.every_s > 0:
             raise ValueError(f"trigger.every_s must be > 0 s, got {self.every_s}")
-        if self.every_n_frames is None and self.every_s is None and not self.on_new_instruction:
-            raise ValueError("trigger: set every_n_frames, every_s or on_new_instruction")
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from oxygen_ros.engine.kv_cache_manager import KVCacheManager
 from oxygen_ros.engine.metrics import PHASES, CycleRecord, EngineMetrics, RequestRecord
 from oxygen_ros.engine.model_runner import ModelRunner, PrefillRow, Processor, WorkCounters
 from oxygen_ros.engine.prefix_cache import PrefixCache, PrefixNode
-from oxygen_ros.engine.request import Request, sample_tokens
+from oxygen_ros.engine.request import Request, new_request_id, sample_tokens
 from oxygen_ros.engine.scheduler import Scheduler, StepCostEstimator
 from oxygen_ros.engine.types import (ActionChunk, MemoryEntry, Observation, RequestStatus,
                                      TextEvent)
@@ -60,6 +60,15 @@ class CycleResult:
     text_events: list[TextEvent]
     memory_entries: list[MemoryEntry]
     record: CycleRecord
+
+
+@dataclass(frozen=True)
+class _Submission:
+    """A request asked for with :meth:`Engine.submit`, waiting for the next cycle's observation."""
+
+    request_id: int
+    task: TaskConfig            # with the submitted prompt template, if one was given
+    instruction: str | None     # replaces the observation's instruction in the prompt; None = keep it
 
 
 @dataclass
@@ -84,8 +93,9 @@ class Engine:
     Raises:
         ValueError: the KV budget cannot hold the action task's reserve.
 
-    Thread safety: :meth:`run_cycle`, :meth:`flush` and :meth:`close` must be called from one
-    thread; :meth:`cancel` and :meth:`cancel_task` may be called from any thread.
+    Thread safety: :meth:`run_cycle`, :meth:`take_events`, :meth:`flush` and :meth:`close` must be
+    called from one thread; :meth:`submit`, :meth:`cancel` and :meth:`cancel_task` may be called from
+    any thread.
     """
 
     def __init__(self, model: Any, processor: Processor, config: EngineConfig):
@@ -117,6 +127,10 @@ class Engine:
         self._lock = threading.Lock()
         self._pending_cancels: list[Callable[[], None]] = []
         self._cancel_lock = threading.Lock()
+        # submit(): requests waiting for the next cycle, and those being started by a cycle (id -> task)
+        self._submissions: list[_Submission] = []
+        self._starting: dict[int, str] = {}
+        self._submit_lock = threading.Lock()
         self._closed = False
         self._timing = dict.fromkeys(PHASES, 0.0)
         self._cycle_batches: list[int] = []
@@ -164,7 +178,15 @@ class Engine:
         with self._lock:
             if self._closed:
                 raise RuntimeError("engine is closed")
-            return self._run_cycle(obs, deadline, on_action)
+            try:
+                return self._run_cycle(obs, deadline, on_action)
+            except BaseException:
+                # Submissions the failed cycle took but did not queue still end with one final event.
+                with self._submit_lock:
+                    abandoned, self._starting = self._starting, {}
+                for request_id, task in abandoned.items():
+                    self._end_by_id(request_id, task, RequestStatus.DROPPED, obs)
+                raise
 
     def warm_up(self, obs: Observation, on_action: Callable[[ActionChunk], None] | None = None) -> float:
         """Run the action path once (encode, prefill, denoise) for ``obs`` and keep nothing of it.
@@ -209,10 +231,63 @@ class Engine:
                 self._timing, self._estimator, self._pool.peak_used_blocks, self._cycle_peak_blocks = saved
             return time.perf_counter() - t0
 
+    def submit(self, task: str, instruction: str | None = None,
+               prompt_template: str | None = None) -> int:
+        """Queue one request of language task ``task`` for the next cycle (a question asked on demand).
+
+        The next :meth:`run_cycle` starts it from that cycle's observation, as if the task's trigger
+        had fired, except that ``instruction`` (when given) replaces the observation's instruction in
+        its prompt and ``prompt_template`` (when given) replaces the task's. From then on it is one of
+        the task's requests: admission, priority, ``max_new_tokens``, ``cancel_on_new_instruction``.
+        Its events carry the returned id, and exactly one final event ends it: also when it is
+        cancelled before a cycle started it (:meth:`cancel`, :meth:`cancel_task`, :meth:`flush`,
+        :meth:`close`: status ``cancelled``, ``seq`` -1 and ``stamp`` 0.0, no observation), or when
+        its prompt does not fit the model's prompt budget (status ``dropped``, that cycle's ``seq``).
+
+        Args:
+            task: name of a language task of the config.
+            instruction: the instruction for the prompt's ``{instruction}``; None = the observation's.
+            prompt_template: a prompt with ``{instruction}`` (and optionally ``{state}``); None = the
+                task's.
+
+        Returns:
+            The request id its events will carry.
+
+        Raises:
+            KeyError: no such task.
+            ValueError: ``prompt_template`` without ``{instruction}``.
+            RuntimeError: the engine was closed.
+
+        Thread-safe.
+        """
+        config = self.config.task(task)
+        if prompt_template is not None:
+            config = replace(config, prompt_template=prompt_template)   # validated by TaskConfig
+        submission = _Submission(new_request_id(), config, instruction)
+        with self._submit_lock:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            self._submissions.append(submission)
+        return submission.request_id
+
+    def take_events(self) -> tuple[list[TextEvent], list[MemoryEntry]]:
+        """Events produced between cycles, with no model work: the final events of requests cancelled
+        (and of submissions withdrawn) since the last cycle. A caller that skips cycles (no usable
+        observation) calls this instead, so that cancellations still end promptly; every event comes
+        out exactly once, here or with a later :class:`CycleResult`."""
+        with self._lock:
+            self._apply_cancels()
+            self._report_ended()
+            return self._take_outputs()
+
     def flush(self) -> tuple[list[TextEvent], list[MemoryEntry]]:
         """Run every waiting and running request to its end (no deadline), e.g. at shutdown or at
-        the end of a benchmark; returns the events produced. The pool is empty afterwards."""
+        the end of a benchmark; returns the events produced. The pool is empty afterwards.
+        Submissions no cycle has started end as ``cancelled`` (they have no observation)."""
         with self._lock:
+            self._apply_cancels()
+            for submission in self._withdraw(lambda s: True):
+                self._end_unstarted(submission, RequestStatus.CANCELLED)
             while self._scheduler.active:
                 # now_stamp = -inf: no waiting request is too old while flushing.
                 self._start(self._scheduler.admit(-float("inf"), self._prefill_cost, float("inf")))
@@ -234,6 +309,16 @@ class Engine:
         Returns:
             True if the request was active.
         """
+        withdrawn = self._withdraw(lambda s: s.request_id == request_id)
+        if withdrawn:     # submitted, not started: it ends without an observation
+            self._defer(lambda: self._end_unstarted(withdrawn[0], RequestStatus.CANCELLED))
+            return True
+        with self._submit_lock:
+            starting = request_id in self._starting
+        if starting:      # a cycle is creating it now: cancel it by id once it is queued
+            self._defer(lambda: self._cancel_requests(
+                [r for r in self._scheduler.active if r.request_id == request_id]))
+            return True
         request = self._scheduler.find(request_id)
         if request is None:
             return False
@@ -247,9 +332,19 @@ class Engine:
             KeyError: no such task.
         """
         self.config.task(task)
+        withdrawn = self._withdraw(lambda s: s.task.name == task)
+        with self._submit_lock:
+            starting = {rid for rid, name in self._starting.items() if name == task}
         requests = [r for r in self._scheduler.active if r.task.name == task]
-        self._defer(lambda: self._cancel_requests(requests))
-        return len(requests)
+
+        def cancel() -> None:
+            for submission in withdrawn:
+                self._end_unstarted(submission, RequestStatus.CANCELLED)
+            self._cancel_requests(requests + [r for r in self._scheduler.active
+                                              if r.request_id in starting and r not in requests])
+
+        self._defer(cancel)
+        return len(requests) + len(withdrawn) + len(starting - {r.request_id for r in requests})
 
     def metrics(self) -> dict:
         """Summary of :class:`EngineMetrics` since the last :meth:`reset_metrics`."""
@@ -272,11 +367,14 @@ class Engine:
         """Cancel every active request, free all pages and refuse further cycles; returns the
         final events of the cancelled requests."""
         with self._lock:
+            with self._submit_lock:
+                self._closed = True     # no submit() after this
             self._apply_cancels()
+            for submission in self._withdraw(lambda s: True):
+                self._end_unstarted(submission, RequestStatus.CANCELLED)
             self._cancel_requests(self._scheduler.active)
             self._tree.clear()
             self._report_ended()
-            self._closed = True
             return self._take_outputs()[0]
 
     # ---- the cycle --------------------------------------------------------------------------
@@ -304,6 +402,7 @@ class Engine:
         image_tokens = len(images) * self._model_cfg.num_image_tokens
         requests = [Request(task, obs.seq, obs.stamp, self._prompt_ids(task.prompt_template, obs),
                             image_tokens, mask, t0) for task in fired]
+        requests += self._start_submissions(obs, image_tokens, mask, t0)
 
         # Action first: encode, prefill, denoise, hand out the chunk.
         features = self._encode(images)
@@ -326,6 +425,9 @@ class Engine:
             else:
                 request.image_features = features
             self._scheduler.add(request)
+        with self._submit_lock:     # submitted requests are now findable by cancel()
+            for request in requests:
+                self._starting.pop(request.request_id, None)
 
         # Language work in the slack.
         overloaded = False
@@ -600,8 +702,53 @@ class Engine:
             raise ValueError(f"observation {obs.seq} has no camera image")
         return [image for image in images if image is not None], mask
 
-    def _prompt_ids(self, template: str, obs: Observation) -> tuple[int, ...]:
-        ids = tuple(self._processor.prompt_ids(template, obs.instruction, obs.state))
+    def _start_submissions(self, obs: Observation, image_tokens: int, mask: tuple[bool, ...],
+                           t_arrival: float) -> list[Request]:
+        """Requests for the submissions waiting for this cycle's observation ``obs`` (see
+        :meth:`submit`); a prompt over the model's budget ends its submission as ``dropped``."""
+        with self._submit_lock:
+            submissions, self._submissions = self._submissions, []
+            self._starting.update((s.request_id, s.task.name) for s in submissions)
+        requests = []
+        for submission in submissions:
+            try:
+                ids = self._prompt_ids(submission.task.prompt_template, obs, submission.instruction)
+            except ValueError:    # over the prompt budget: this request only is dropped
+                with self._submit_lock:
+                    self._starting.pop(submission.request_id, None)
+                self._end_unstarted(submission, RequestStatus.DROPPED, obs)
+                continue
+            requests.append(Request(submission.task, obs.seq, obs.stamp, list(ids), image_tokens,
+                                    mask, t_arrival, request_id=submission.request_id))
+        return requests
+
+    def _withdraw(self, which: Callable[[_Submission], bool]) -> list[_Submission]:
+        """Remove and return the submissions no cycle has started that ``which`` selects."""
+        with self._submit_lock:
+            taken = [s for s in self._submissions if which(s)]
+            self._submissions = [s for s in self._submissions if not which(s)]
+        return taken
+
+    def _end_unstarted(self, submission: _Submission, status: RequestStatus,
+                       obs: Observation | None = None) -> None:
+        """The final event (and request record) of a submission that never became a request."""
+        self._end_by_id(submission.request_id, submission.task.name, status, obs)
+
+    def _end_by_id(self, request_id: int, task: str, status: RequestStatus,
+                   obs: Observation | None) -> None:
+        seq, stamp = (-1, 0.0) if obs is None else (obs.seq, obs.stamp)
+        self._events.append(TextEvent(request_id, task, seq, stamp, "", "", [], True, status))
+        self._metrics.add_request(RequestRecord(request_id, task, status.value, 0, None, 0.0))
+
+    def _prompt_ids(self, template: str, obs: Observation,
+                    instruction: str | None = None) -> tuple[int, ...]:
+        """Token ids of ``template`` for ``obs`` (its instruction, or ``instruction`` when given).
+
+        Raises:
+            ValueError: longer than the model's prompt budget.
+        """
+        instruction = obs.instruction if instruction is None else instruction
+        ids = tuple(self._processor.prompt_ids(template, instruction, obs.state))
         if self._max_prompt_tokens is not None and len(ids) > self._max_prompt_tokens:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds the model's budget of "
                              f"{self._max_prompt_tokens} tokens")

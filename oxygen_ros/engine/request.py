@@ -15,6 +15,12 @@ from oxygen_ros.engine.types import RequestStatus
 _request_ids = itertools.count(1)
 
 
+def new_request_id() -> int:
+    """A fresh engine-wide request id (what a :class:`Request` gets by default). Thread-safe: CPython's
+    ``itertools.count`` advances atomically under the GIL."""
+    return next(_request_ids)
+
+
 @dataclass(eq=False)
 class Request:
     """A language request triggered by one observation.
@@ -52,7 +58,7 @@ class Request:
     t_arrival: float
     image_features: torch.Tensor | None = None
     images: list | None = None
-    request_id: int = field(default_factory=lambda: next(_request_ids))
+    request_id: int = field(default_factory=new_request_id)
     status: RequestStatus = RequestStatus.WAITING
     kv: KVSequence | None = None
     charged_blocks: int = 0

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     params = node_parameters(args)
     (run_dir / "oxygen_node_params.yaml").write_text(
-        yaml.safe_dump({NODE_NAME: {"ros__parameters": params}}, sort_keys=False))
+        yaml.safe_dump({f"/**/{NODE_NAME}": {"ros__parameters": params}}, sort_keys=False))   # any namespace
 
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

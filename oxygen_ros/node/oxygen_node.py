@@ -15,7 +15,9 @@ With ``autostart`` (default true) the node drives configure → activate itself.
 Threads: subscription callbacks (executor) only convert and store the latest inputs; one control-cycle
 thread runs the engine at ``control_rate_hz`` (wall clock), and publishes the action chunk as soon as it
 is ready, then the speech and memory outputs of the language work done in the cycle's slack. The
-executor never waits for inference.
+executor never waits for inference. Lifecycle state queries and parameter reads are in a callback group of
+their own, and so are the ask / command services (oxygen_ros/node/commands.py): the ``oxygen_node``
+executable spins a multi-threaded executor, so they answer while configure loads the model.
 
 Topics (relative names resolve in the node's namespace; ``~`` is the node's private namespace):
     in   camera_topics[i]          sensor_msgs/Image or CompressedImage, sensor-data QoS (best effort,
@@ -40,6 +42,11 @@ What leaves the node is checked first (oxygen_ros/node/output_checks.py): non-fi
 embeddings are withheld, joint limits clamp or reject, expired outputs fall back or are withheld. Time
 (oxygen_ros/node/time_checks.py): backwards jumps of the node clock or of camera stamps are counted and
 restart staleness, time triggers and waiting requests; nothing runs before the node clock starts.
+
+Services and actions (oxygen_ros/node/commands.py):
+    ~/ask                          oxygen_ros/action/Ask: one language output on request (feedback, cancel)
+    ~/pause_actions, ~/resume_actions  oxygen_ros/srv/SwitchActions: withhold / restore the action outputs
+    ~/set_instruction              oxygen_ros/srv/SetInstruction: set the instruction, with an answer
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ from rcl_interfaces.msg import SetParametersResult
 from rclpy.clock import Clock, ClockType
 from rclpy.event_handler import PublisherEventCallbacks, SubscriptionEventCallbacks
 from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSPolicyKind, QoSProfile, ReliabilityPolicy,
                        qos_profile_sensor_data)
@@ -71,6 +79,7 @@ from trajectory_msgs.msg import JointTrajectory
 from oxygen_ros.engine import ActionChunk, Engine, RequestStatus
 from oxygen_ros.engine.detokenizer import is_speakable
 from oxygen_ros.node import conversions
+from oxygen_ros.node.commands import Commands
 from oxygen_ros.node.diagnostics import StatusTracker, diagnostic_array, engine_status_msg
 from oxygen_ros.node.image_conversion import ImageConversionError, compressed_to_rgb, image_to_rgb
 from oxygen_ros.node.inputs import DropCounter, Frame, InputError, InputStore, is_zero, stamp_seconds
@@ -89,6 +98,11 @@ _INSTRUCTION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10, reliabi
 _LATCHED_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.RELIABLE,
                           durability=DurabilityPolicy.TRANSIENT_LOCAL)
 _GRAPH_POLL_S = 1.0   # how often the graph is checked for a latched instruction on offer [s]
+# Services that only read state: with a multi-threaded executor they answer while a transition runs (configure
+# loads the model). Transitions, parameter changes, timers and subscriptions stay in the default group, one at a
+# time, as with a single-threaded executor.
+_QUERY_SERVICES = ("get_state", "get_available_states", "get_available_transitions", "get_transition_graph",
+                   "describe_parameters", "get_parameters", "get_parameter_types", "list_parameters")
 _OBSERVATIONS_KEPT = 4096   # stamps/instructions of recent observations, for outputs of long language requests
 
 
@@ -125,6 +139,11 @@ class OxygenNode(LifecycleNode):
 
     def __init__(self, node_name: str = "oxygen_node", **kwargs):
         super().__init__(node_name, **kwargs)
+        self._query_group = MutuallyExclusiveCallbackGroup()
+        for service in self.services:
+            if service.srv_name.rsplit("/", 1)[-1] in _QUERY_SERVICES:
+                service.callback_group = self._query_group
+                self._query_group.add_entity(service)
         self._lifecycle_state = "unconfigured"
         self._settings: NodeSettings | None = None
         self._engine: Engine | None = None
@@ -165,6 +184,9 @@ class OxygenNode(LifecycleNode):
         self._latched_instruction_sub = None
         # Raises InvalidParameterTypeException / InvalidParameterValueException for a value of the wrong
         # type or out of range (overrides, a params file): rclpy checks them at declaration.
+        # ~/ask, ~/pause_actions, ~/resume_actions, ~/set_instruction (oxygen_ros/node/commands.py); before
+        # the parameters, so that a node whose declaration fails can still be destroyed
+        self._commands = Commands(self)
         declare_parameters(self)
         self.add_on_set_parameters_callback(self._check_parameter_change)
         if self.get_parameter("autostart").value:
@@ -227,6 +249,20 @@ class OxygenNode(LifecycleNode):
         """The joint position limits in force (:class:`oxygen_ros.node.output_checks.JointLimits`, from the
         parameters or robot_description), or None."""
         return self._joint_limits
+
+    @property
+    def commands(self) -> Commands:
+        """The ask / command interface (``~/ask``, ``~/pause_actions``, ``~/resume_actions``,
+        ``~/set_instruction``)."""
+        return self._commands
+
+    def utterance_id(self, request_id: int) -> str:
+        """The id that the Speech messages (or MemoryEntry) of engine request ``request_id`` carry."""
+        return f"{self._session}-{request_id}"
+
+    def observation_stamp(self, seq: int, stamp_s: float) -> Time:
+        """The stamp the outputs of observation ``seq`` carry (``stamp_s``: its stamp in seconds)."""
+        return self._info(seq, stamp_s).stamp
 
     @property
     def configure_error(self) -> str | None:
@@ -357,10 +393,12 @@ class OxygenNode(LifecycleNode):
         still be inside torch when the interpreter tears down (``terminate called without an active
         exception``)."""
         self._release()
+        self._commands.destroy()
         super().destroy_node()
 
     def _release(self) -> None:
         self._stop_cycles()
+        self._commands.end_goals("the node released its engine (cleanup, shutdown or exit)")
         for timer in self._owned_timers:
             self.destroy_timer(timer)
         for subscription in self._owned_subscriptions:
@@ -574,19 +612,32 @@ class OxygenNode(LifecycleNode):
 
     def _on_instruction(self, msg: String) -> None:
         self._instruction_received = True
-        text = msg.data
+        self.take_instruction(msg.data)
+
+    def take_instruction(self, text: str) -> tuple[bool, str]:
+        """Validate and store an instruction (from the instruction topic or ``~/set_instruction``).
+
+        Returns:
+            (taken, what happened): refused when the node is not configured, the text is empty or longer
+            than ``max_instruction_chars`` (counted as a dropped input).
+        """
+        inputs, settings, engine = self._inputs, self._settings, self._engine
+        if inputs is None or settings is None or engine is None:
+            return False, f"the node is {self._lifecycle_state}: configure it first"
         limit = self.get_parameter("max_instruction_chars").value
         if len(text) > limit:
-            self._drops.drop("instruction_too_long", f"instruction of {len(text)} characters exceeds "
-                             f"max_instruction_chars {limit}; keeping {self._inputs.instruction!r}")
-            return
+            reason = f"instruction of {len(text)} characters exceeds max_instruction_chars {limit}"
+            self._drops.drop("instruction_too_long", f"{reason}; keeping {inputs.instruction!r}")
+            return False, reason
         if not text.strip():
             self._drops.drop("instruction_empty", "empty instruction ignored")
-            return
-        if self._inputs.store_instruction(text):
-            self.get_logger().info(f"instruction: {text[:200]!r}")
-            if self._active and self._settings.speech_enabled and self._settings.speech_cancel_on_new_instruction:
-                self._engine.cancel_task("speech")
+            return False, "empty instruction ignored"
+        if not inputs.store_instruction(text):
+            return True, "instruction unchanged"
+        self.get_logger().info(f"instruction: {text[:200]!r}")
+        if self._active and settings.speech_enabled and settings.speech_cancel_on_new_instruction:
+            engine.cancel_task("speech")
+        return True, "instruction set: the next control cycle uses it"
 
     def _on_joint_state(self, msg: JointState) -> None:
         if not self._active:
@@ -627,6 +678,7 @@ class OxygenNode(LifecycleNode):
     def _skip(self, reason: str, detail: str) -> None:
         self._status.record_skip(detail)
         self._skips.drop(reason, f"no action chunk this cycle: {detail}")
+        self._publish_language(*self._engine.take_events())    # requests cancelled meanwhile still end
 
     def _run_one_cycle(self, settings: NodeSettings, engine: Engine, inputs: InputStore, deadline: float) -> None:
         _, now_s = self._now()
@@ -658,8 +710,8 @@ class OxygenNode(LifecycleNode):
         self._observations[ready.observation.seq] = info
         while len(self._observations) > _OBSERVATIONS_KEPT:
             self._observations.popitem(last=False)
-        result = engine.run_cycle(ready.observation, deadline,
-                                  on_action=lambda chunk: self._publish_action(chunk, info, settings))
+        result = engine.run_cycle(ready.observation, deadline, on_action=lambda chunk: self._commands.gate_action(
+            lambda: self._publish_action(chunk, info, settings)))    # withheld while ~/pause_actions
         dropped = sum(1 for e in result.text_events if e.final and e.status == RequestStatus.DROPPED)
         self._publish_language(result.text_events, result.memory_entries)
         active = engine.active_requests
@@ -757,7 +809,8 @@ class OxygenNode(LifecycleNode):
             if not event.final:
                 self._utterance_sequence[event.request_id] = sequence + 1
             self._speech_pub.publish(conversions.speech_msg(
-                event, info.stamp, f"{self._session}-{event.request_id}", sequence, info.instruction))
+                event, info.stamp, self.utterance_id(event.request_id), sequence,
+                self._commands.instruction_for(event.request_id, info.instruction)))
             if event.final and event.status == RequestStatus.COMPLETED:
                 self._publish_speech_text(event)
         for entry in memories:
@@ -769,7 +822,9 @@ class OxygenNode(LifecycleNode):
                 continue
             info = self._info(entry.seq, entry.stamp)
             self._memory_pub.publish(conversions.memory_entry_msg(
-                entry, info.stamp, f"{self._session}-{entry.request_id}", info.camera_slots, info.instruction))
+                entry, info.stamp, self.utterance_id(entry.request_id), info.camera_slots,
+                self._commands.instruction_for(entry.request_id, info.instruction)))
+        self._commands.on_language(events)    # ~/ask goals: feedback and results
 
     def _publish_speech_text(self, event) -> None:
         """``~/speech_text`` gets a completed utterance's text only when a TTS can say it."""
@@ -837,7 +892,10 @@ def main(args=None) -> int:
         print(f"oxygen_node: invalid parameter: {_error_line(error)}", file=sys.stderr)
         rclpy.try_shutdown()
         return 2
-    executor = SingleThreadedExecutor()
+    # Three threads: the default group (transitions, parameter changes, timers, subscriptions), the query
+    # services (lifecycle state, parameter reads) and the ask / command interface, so that these answer while
+    # configure loads the model. Inference runs on the node's own control-cycle thread.
+    executor = MultiThreadedExecutor(num_threads=3)
     executor.add_node(node)
     status = 0
     try:

@@ -1,0 +1,92 @@
+"""The ``oxygen_node`` executable answers lifecycle state queries and parameter reads while configure loads
+the model: the normalisation statistics file is a named pipe, so configure blocks in reading it (a file read
+that releases Python's GIL, as a checkpoint load does) until the test opens the pipe's other end, which it does
+only after those services answered with the node in the ``configuring`` state."""
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_node_support import EXECUTABLE, REPO_ROOT
+
+pytestmark = pytest.mark.ros
+
+
+def _call(executor, client, request, timeout: float = 20.0):
+    future = client.call_async(request)
+    executor.spin_until_future_complete(future, timeout_sec=timeout)
+    assert future.done(), f"no answer from {client.srv_name}"
+    return future.result()
+
+
+def _release(pipe, process, timeout: float = 120.0) -> None:
+    """Open and close the write end of ``pipe`` once configure has opened its read end (until then opening
+    it without blocking fails with ENXIO): the reader then sees end of file."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+            return
+        except OSError as error:
+            if error.errno != errno.ENXIO or process.poll() is not None or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_services_answer_while_configure_loads_the_model(tmp_path):
+    import rclpy
+    from lifecycle_msgs.srv import GetState
+    from rcl_interfaces.srv import GetParameters
+    from rclpy.context import Context
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.node import Node
+
+    pipe = tmp_path / "norm_stats.json"
+    os.mkfifo(pipe)
+    namespace = f"/configuring_{os.getpid()}"
+    process = subprocess.Popen([sys.executable, str(EXECUTABLE), "--ros-args", "-r", f"__ns:={namespace}",
+                                "--params-file", str(REPO_ROOT / "config" / "pi05_tiny.yaml"),
+                                "-p", f"norm_stats_path:={pipe}"],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=dict(os.environ))
+    context = Context()
+    rclpy.init(context=context)
+    probe = Node("configure_probe", context=context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(probe)
+    released = False
+    try:
+        get_state = probe.create_client(GetState, f"{namespace}/oxygen_node/get_state")
+        assert get_state.wait_for_service(timeout_sec=60.0), "no get_state service"
+        label = ""
+        deadline = time.monotonic() + 120.0
+        while label != "configuring" and process.poll() is None and time.monotonic() < deadline:
+            label = _call(executor, get_state, GetState.Request()).current_state.label
+            time.sleep(0.1)
+        assert label == "configuring", f"state {label!r}"
+        get_parameters = probe.create_client(GetParameters, f"{namespace}/oxygen_node/get_parameters")
+        assert get_parameters.wait_for_service(timeout_sec=20.0)
+        values = _call(executor, get_parameters, GetParameters.Request(names=["preset", "norm_stats_path"])).values
+        assert [v.string_value for v in values] == ["pi05_tiny", str(pipe)]
+        # Still configuring: configure waits on the pipe.
+        assert _call(executor, get_state, GetState.Request()).current_state.label == "configuring"
+        _release(pipe, process)      # end of file: not JSON, configure fails
+        released = True
+        output, _ = process.communicate(timeout=120.0)
+        assert process.returncode == 1, output                # autostart's configure failed
+        assert "configure failed" in output, output
+    finally:
+        if not released and process.poll() is None:
+            process.kill()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        executor.shutdown()
+        probe.destroy_node()
+        context.try_shutdown()
+        context.destroy()
