@@ -185,8 +185,9 @@ def test_a_build_this_cpu_cannot_execute_is_refused_and_never_built():
         native.select(foreign)
     with pytest.raises(ValueError, match="one of"):
         native.select("avx9")
+    existed = native.build_directory(foreign).exists()   # (another machine may share this cache)
     assert not native.load(foreign) and "cannot execute" in native.status(foreign)
-    assert not native.build_directory(foreign).exists()
+    assert native.build_directory(foreign).exists() == existed
     with pytest.raises(RuntimeError, match="cannot execute"):
         native.decode_attention(torch.randn(1, 1, 4, 64), torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64),
                                 torch.ones(1, 1, 3, dtype=torch.bool), variant=foreign)
