@@ -20,14 +20,15 @@ compiler flags and ATen's ``CPU_CAPABILITY`` defines, into one library per *vari
 (:func:`active_variant`), unless :func:`select` or the environment variable ``OXYGEN_NATIVE_ISA``
 names another (tests and A/B measurements of the AVX2 build on an AVX-512 machine). The generic
 ``default`` build is not used unless asked for: on an AVX-512 machine it was slower than the torch
-path. Only variants that are used are built: the
-engine builds one. Each registers its own operator, ``torch.ops.oxygen_ros.decode_attention_<variant>``,
-so several can be loaded in one process.
+path. Only variants that are used are built (the engine builds one). Each registers its own
+operator, ``torch.ops.oxygen_ros.decode_attention_<variant>``, so several can be loaded in one
+process.
 
 Each variant is compiled with ``torch.utils.cpp_extension.load`` (g++ and ninja;
 ``scripts/setup_env.sh`` installs ninja and builds the best variant) into ``$TORCH_EXTENSIONS_DIR``
 (default ``~/.cache/torch_extensions``), once per source, flags, torch and Python version (see
-:func:`_build_and_load`): 10-20 s the first time on 2 cores, well under a second after. It is
+:func:`_build_and_load`): 15-40 s the first time on 2 cores (idle to heavily loaded), well under a
+second after. It is
 compiled with OpenMP and runs on torch's intra-op threads (``torch.set_num_threads``). Set
 ``OXYGEN_NATIVE_KERNELS=0`` to never build or use it (the oneDNN-packed weights of
 :class:`oxygen_ros.models.gemma.Linear` have their own switch, ``gemma.use_packed_weights``). When
@@ -56,12 +57,13 @@ _SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 # bring the same libgomp.so.1); without it the loops would run on one thread.
 _CFLAGS = ("-O3", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
-# Per variant: ATen's CPU_CAPABILITY for it and the instruction-set flags (those ATen compiles its
-# own kernels of that capability with). "default" and "neon" use the compiler's baseline: on aarch64
-# ATen's Vectorized<float> is NEON there, elsewhere its generic array of 8 floats.
+# Per variant: ATen's CPU_CAPABILITY for it and the instruction-set flags: the extensions torch
+# requires before it reports that capability (AVX512: F, BW, VL, DQ and FMA; AVX2: AVX2 and FMA), so
+# a build is loaded only where its instructions run. "default" and "neon" use the compiler's
+# baseline: on aarch64 ATen's Vectorized<float> is NEON there, elsewhere its generic array of 8 floats.
 _VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "avx512": ("AVX512", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c")),
-    "avx2": ("AVX2", ("-mavx2", "-mfma", "-mf16c")),
+    "avx512": ("AVX512", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma")),
+    "avx2": ("AVX2", ("-mavx2", "-mfma")),
     "default": ("DEFAULT", ()),
     "neon": ("DEFAULT", ()),
 }
