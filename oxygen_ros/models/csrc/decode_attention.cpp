@@ -8,11 +8,12 @@
 //
 // One source for every CPU: the vector code is written with ATen's portable vector type
 // at::vec::Vectorized<float> (W = Vec::size() floats: 16 with AVX-512, 8 with AVX2 and in the
-// generic build, 4 with aarch64's NEON). oxygen_ros/models/native.py compiles this file once per
-// instruction set the running CPU can execute, with that set's compiler flags and ATen's
-// CPU_CAPABILITY defines (the same scheme ATen uses for its own kernels), and picks the best build at
-// run time. Each build registers its own operator, torch.ops.oxygen_ros.decode_attention_<OXYGEN_ISA>,
-// so several builds can be loaded in one process (tests, A/B benchmarks).
+// generic build, 4 with aarch64's NEON). oxygen_ros/models/native.py compiles this file for each
+// build it uses (avx512, avx2, neon, default), with that instruction set's compiler flags and ATen's
+// CPU_CAPABILITY defines (the same scheme ATen uses for its own kernels), only for instruction sets
+// the running CPU can execute, and picks the best build at run time. Each build registers its own
+// operator, torch.ops.oxygen_ros.decode_attention_<OXYGEN_ISA>, so several builds can be loaded in
+// one process (tests, A/B benchmarks).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
