@@ -223,6 +223,24 @@ def test_oxygen_native_isa_naming_a_build_this_cpu_cannot_run_keeps_the_torch_pa
                for r in caplog.records)
 
 
+def test_oxygen_native_kernels_0_builds_and_uses_nothing(tmp_path):
+    """A fresh process with OXYGEN_NATIVE_KERNELS=0: no build (an empty extensions directory), the
+    torch path serves the models' decode attention, and the status says why."""
+    code = ("import torch\n"
+            "from oxygen_ros.models import native\n"
+            "from oxygen_ros.models.gemma import attention\n"
+            "q, k, v = torch.randn(2, 1, 4, 64), torch.randn(2, 9, 1, 64), torch.randn(2, 9, 1, 64)\n"
+            "with torch.inference_mode():\n"
+            "    attention(q, k, v, torch.ones(2, 1, 9, dtype=torch.bool))\n"
+            "print(native.supports(64, 4), native.load(), native.status())\n")
+    env = dict(os.environ, OXYGEN_NATIVE_KERNELS="0", TORCH_EXTENSIONS_DIR=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == \
+        "False False unavailable (disabled by OXYGEN_NATIVE_KERNELS)"
+    assert list(tmp_path.iterdir()) == []
+
+
 @needs_kernel
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch's forward AD
 def test_outside_inference_mode_the_torch_paths_keep_both_kinds_of_derivative():
