@@ -103,8 +103,9 @@ if [ "$(cat "$build_stamp" 2>/dev/null)" != "$build_hash" ]; then
   echo "$build_hash" > "$build_stamp"
   log "built into install/"
   # The native CPU kernels (oxygen_ros/models/native.py) build on first use; building them here
-  # keeps that 10-20 s out of the first run. Not fatal: without them the torch path serves.
-  log "native CPU kernels: $(cd "$ROOT" && "$VENV/bin/python" -c 'from oxygen_ros.models import native; native.load(); print(native.status())' 2>&1 | tail -n 1)"
+  # keeps that 10-20 s out of the first run. Only the build for this CPU (avx512, avx2 or neon) is
+  # compiled. Not fatal: without them the torch path serves.
+  log "native CPU kernels: $(cd "$ROOT" && "$VENV/bin/python" -c 'from oxygen_ros.models import native; native.load(); print(native.active_variant(), native.status())' 2>&1 | tail -n 1)"
 else
   log "build up to date"
 fi

@@ -34,7 +34,7 @@ def cpu_kernels(device: str | torch.device, config: VLAConfig, torch_kernels: bo
     if torch_kernels:
         return "torch paths (--torch-kernels)"
     group = config.num_heads // config.num_kv_heads
-    attention = ("native decode attention" if native.supports(config.head_dim, group)
-                 else f"torch decode attention (native {native.status()})")
+    attention = (f"native decode attention ({native.active_variant()})"
+                 if native.supports(config.head_dim, group) else f"torch decode attention (native {native.status()})")
     linears = "oneDNN-packed weights" if gemma.packed_weights_available() else "MKL linears (no oneDNN ops)"
     return f"{attention}, {linears}"

@@ -339,9 +339,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     batched matmul against ``heads/kv_heads · T`` queries. With at most :data:`FEW_QUERIES` folded
     queries (a decode step) two batched matmuls with an fp32 softmax between them run faster than
     SDPA's kernel on CPU; otherwise SDPA with an additive mask (its softmax accumulates in fp32).
-    Both are exact. In the few-queries case, fp32 on an x86 CPU with AVX-512 runs the native kernel
-    instead (:func:`oxygen_ros.models.native.decode_attention`: one pass over each row's K and V,
-    a shared prefix read from row 0 for every row); elsewhere, with ``shared_prefix`` P > 0 and
+    Both are exact. In the few-queries case, fp32 on a CPU with AVX-512, AVX2 or NEON runs the
+    native kernel instead (:func:`oxygen_ros.models.native.decode_attention`: one pass over each
+    row's K and V, a shared prefix read from row 0 for every row; the build for the running CPU,
+    :func:`oxygen_ros.models.native.active_variant`); elsewhere, with ``shared_prefix`` P > 0 and
     B > 1, the prefix is attended once for the queries of all rows (cascade attention,
     :func:`_cascade_attention`).
     """

@@ -1,0 +1,34 @@
+"""The CPU kernel A/B bench runs every setting (torch paths, each native build this CPU can execute)
+and leaves the process's CPU-path switches as it found them. Timings are not asserted."""
+
+import json
+
+import pytest
+
+from oxygen_ros.bench import kernel_bench
+from oxygen_ros.models import gemma, native
+
+
+@pytest.mark.skipif(not native.enabled_by_environment(), reason="native kernels turned off by OXYGEN_NATIVE_KERNELS")
+def test_kernel_bench_smoke_covers_every_build_and_restores_the_switches(tmp_path, capsys):
+    out = tmp_path / "kernels.json"
+    assert kernel_bench.main(["--rounds", "1", "--batch", "3", "--keys", "20", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    names = ["torch"] + [f"native {name}" for name in native.variants()]
+    assert results["settings"] == names
+    for label in ("shared", "per-request"):
+        for name in names:
+            assert results["step"][label][name]["step_1_s"] > 0 and results["step"][label][name]["step_3_s"] > 0
+    assert all(results["attention"][name] > 0 for name in names) and results["attention"]["keys"] == 20
+    table = capsys.readouterr().out
+    assert "3-row / 1-row, shared prefix" in table and "native " + native.variants()[0] in table
+    assert native.in_use() and gemma.packed_weights_in_use() and native.active_variant() == (
+        native.variants()[0] if native.variants()[0] != "default" else None)
+
+
+def test_kernel_bench_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        kernel_bench.main(["--rounds", "0"])
+    with pytest.raises(SystemExit):
+        kernel_bench.main(["--preset", "pi05"])     # full presets need a real tokenizer
+    assert "--rounds" in capsys.readouterr().err
