@@ -211,6 +211,26 @@ def memory(n: int) -> dict:
             "max_wait_s": 1e9}
 
 
+def decode_rows(processor, robot, runner: ModelRunner, manager: KVCacheManager, batch: int,
+                shared_prefix: bool) -> list:
+    """``batch`` decode rows (KV sequences of ``manager``) as a decode step meets them: each over a
+    real prefix (every camera + the action prompt) followed by 0..29 decoded tokens (row ``i`` has
+    ``i % 30``). ``shared_prefix``: all fork one prefix; otherwise each has its own observation's."""
+    roots = []
+    for obs in _observations(robot, 1 if shared_prefix else batch, 99, "describe the scene"):
+        features = runner.encode(list(obs.images.values()))
+        ids = processor.prompt_ids(ACTION_PROMPT, obs.instruction, obs.state)
+        embeds = torch.cat([features.reshape(-1, features.shape[-1]), runner.embed_prompt(ids)])
+        root = manager.new_sequence()
+        runner.prefill([PrefillRow(root, embeds, embeds.shape[0])], logits=False)
+        roots.append(root)
+    seqs = [manager.fork(roots[i % len(roots)]) for i in range(batch)]
+    for i, seq in enumerate(seqs):
+        for _ in range(i % 30):
+            runner.decode_step([seq], [5])
+    return seqs
+
+
 def batch_scaling(model, processor, robot, budget: int, batch: int, repeats: int,
                   shared_prefix: bool = True, cuda_graphs: bool = True) -> dict:
     """Median seconds of one decode step for 1 and for ``batch`` requests over paged KV
@@ -225,18 +245,7 @@ def batch_scaling(model, processor, robot, budget: int, batch: int, repeats: int
                      dtype=model.dtype, device=model.device)
     manager = KVCacheManager(pool)
     runner = ModelRunner(model, processor, manager, cuda_graphs)
-    roots = []
-    for obs in _observations(robot, 1 if shared_prefix else batch, 99, "describe the scene"):
-        features = runner.encode(list(obs.images.values()))
-        ids = processor.prompt_ids(ACTION_PROMPT, obs.instruction, obs.state)
-        embeds = torch.cat([features.reshape(-1, features.shape[-1]), runner.embed_prompt(ids)])
-        root = manager.new_sequence()
-        runner.prefill([PrefillRow(root, embeds, embeds.shape[0])], logits=False)
-        roots.append(root)
-    seqs = [manager.fork(roots[i % len(roots)]) for i in range(batch)]
-    for i, seq in enumerate(seqs):
-        for _ in range(i % 30):
-            runner.decode_step([seq], [5])
+    seqs = decode_rows(processor, robot, runner, manager, batch, shared_prefix)
     # The two sizes alternate, so a machine whose speed drifts affects both alike.
     samples: dict[int, list[float]] = {1: [], batch: []}
     for _ in range(repeats):

@@ -35,12 +35,12 @@ import torch
 
 from oxygen_ros.bench.cpu_paths import cpu_kernel_choice
 from oxygen_ros.engine import BlockPool, KVCacheManager
-from oxygen_ros.engine.model_runner import ModelRunner, PrefillRow
+from oxygen_ros.engine.model_runner import ModelRunner
 from oxygen_ros.engine.processing import ModelProcessor
 from oxygen_ros.models import PRESETS, ROBOTS, gemma, get_preset, get_robot, load_model, load_tokenizer, native
 from oxygen_ros.models.gemma import attention
-from oxygen_ros.models.processing import ACTION_PROMPT, Processor
-from oxygen_ros.bench.engine_bench import _observations
+from oxygen_ros.models.processing import Processor
+from oxygen_ros.bench.engine_bench import decode_rows
 
 
 def settings() -> list[str]:
@@ -53,24 +53,6 @@ def _apply(setting: str) -> None:
     gemma.use_packed_weights(setting != "torch")
     native.use(setting != "torch")
     native.select(None if setting == "torch" else setting.split()[1])
-
-
-def _rows(model, processor, robot, runner, manager, batch: int, shared: bool) -> list:
-    """``batch`` requests over a real prefix each (one forked prefix when ``shared``), with 0..29
-    decoded tokens."""
-    roots = []
-    for obs in _observations(robot, 1 if shared else batch, 99, "describe the scene"):
-        features = runner.encode(list(obs.images.values()))
-        ids = processor.prompt_ids(ACTION_PROMPT, obs.instruction, obs.state)
-        embeds = torch.cat([features.reshape(-1, features.shape[-1]), runner.embed_prompt(ids)])
-        root = manager.new_sequence()
-        runner.prefill([PrefillRow(root, embeds, embeds.shape[0])], logits=False)
-        roots.append(root)
-    seqs = [manager.fork(roots[i % len(roots)]) for i in range(batch)]
-    for i, seq in enumerate(seqs):
-        for _ in range(i % 30):
-            runner.decode_step([seq], [5])
-    return seqs
 
 
 def run(preset: str, robot_name: str, batch: int, rounds: int, keys: int, budget_mib: float) -> dict:
@@ -92,7 +74,7 @@ def run(preset: str, robot_name: str, batch: int, rounds: int, keys: int, budget
                                  dtype=model.dtype, device=model.device)
                 manager = KVCacheManager(pool)
                 runner = ModelRunner(model, processor, manager, cuda_graphs=False)
-                seqs = _rows(model, processor, robot, runner, manager, batch, shared)
+                seqs = decode_rows(processor, robot, runner, manager, batch, shared)
                 samples = {(name, size): [] for name in names for size in (1, batch)}
                 for round_ in range(rounds + 1):   # round 0 warms up (first calls, packing)
                     for name in names:
