@@ -162,13 +162,19 @@ _DECLARATIONS: dict[str, tuple] = {
     "expired_output_policy": ("fallback", "an output whose last point is already past at publication: "
                               "fallback (JointTrajectory sent with stamp 0, ActionChunk sent as it is) or "
                               "withhold (not sent); counted and warned either way", {}, False),
+    "on_stop_command": ("hold", "the controller's last command when the node stops acting (deactivate, "
+                        "shutdown, SIGINT / SIGTERM, a failed transition while active): hold (one "
+                        "JointTrajectory on ~/joint_trajectory holding the latest JointState positions of "
+                        "trajectory_joint_names; needs publish_trajectory) or none (nothing)", {}, False),
     "camera_clock_offset_warn_s": (1.0, "/diagnostics warns when a camera's header stamps differ from the node "
                                    "clock at receipt by more than this [s]",
                                    {"floating_point_range": _float_range(0.0, 1e9)}, False),
 }
 
 # Parameters that may change at run time and take a value from a fixed set: checked when set.
-DYNAMIC_CHOICES = {"joint_limits.policy": LIMIT_POLICIES, "expired_output_policy": EXPIRED_OUTPUT_POLICIES}
+STOP_COMMANDS = ("hold", "none")
+DYNAMIC_CHOICES = {"joint_limits.policy": LIMIT_POLICIES, "expired_output_policy": EXPIRED_OUTPUT_POLICIES,
+                   "on_stop_command": STOP_COMMANDS}
 
 
 @dataclass(frozen=True)
