@@ -185,6 +185,10 @@ class OxygenNode(LifecycleNode):
         self._latched_instruction_sub = None
         self._trajectory_pub = None
         self._joint_positions: dict[str, float] | None = None   # latest JointState while active, by name
+        # diagnostics' period figures: inputs stored per input since the last publication, drops reported
+        self._input_counts: dict[str, int] = {}
+        self._drops_reported: dict[str, int] = {}
+        self._status_published_at = time.perf_counter()
         # Raises InvalidParameterTypeException / InvalidParameterValueException for a value of the wrong
         # type or out of range (overrides, a params file): rclpy checks them at declaration.
         # ~/ask, ~/pause_actions, ~/resume_actions, ~/set_instruction (oxygen_ros/node/commands.py); before
@@ -349,6 +353,9 @@ class OxygenNode(LifecycleNode):
         self._last_cycle_clock = None
         self._expiry_warned = False
         self._joint_positions = None
+        self._input_counts = {}
+        self._drops_reported = {}
+        self._status_published_at = time.perf_counter()
         self._stop.clear()
         self._active = True
         self._cycle_thread = threading.Thread(target=self._run_cycles, name="oxygen_control_cycle", daemon=True)
@@ -624,6 +631,8 @@ class OxygenNode(LifecycleNode):
                                        "loop?): time triggers and waiting requests restart from the new time")
                 self._time_restart.set()
         self._inputs.store_frame(camera.slot, Frame(image, stamp, now_s))
+        key = f"camera {camera.slot}"
+        self._input_counts[key] = self._input_counts.get(key, 0) + 1
 
     def _on_incompatible_qos(self, info, direction: str, topic: str,
                              ignored_policy: QoSPolicyKind | None = None) -> None:
@@ -706,6 +715,7 @@ class OxygenNode(LifecycleNode):
                              "before the node clock started (use_sim_time and no /clock yet)")
             return
         self._inputs.store_joint_state(state, now_s)
+        self._input_counts["joint_states"] = self._input_counts.get("joint_states", 0) + 1
         # what on_stop_command hold holds (the trajectory joints may differ from joint_names)
         self._joint_positions = {name: float(p) for name, p in zip(msg.name, msg.position) if math.isfinite(p)}
 
@@ -908,12 +918,25 @@ class OxygenNode(LifecycleNode):
                                        pool.used_bytes, pool.num_blocks * pool.bytes_per_block,
                                        self._stamps.largest_offset(), qos_total)
             self._status_pub.publish(status)
+        # the period's figures: inputs received per second and drops since the previous publication
+        wall = time.perf_counter()
+        period_s = max(wall - self._status_published_at, 1e-9)
+        self._status_published_at = wall
+        counts, self._input_counts = self._input_counts, {}
+        names = [f"camera {c.slot}" for c in settings.cameras] + ["joint_states"]
+        rates = {name: counts.get(name, 0) / period_s for name in names} if self._active else {}
+        drops = self._drops.counts()
+        new_drops = {reason: n - self._drops_reported.get(reason, 0) for reason, n in drops.items()}
+        self._drops_reported = dict(drops)
         diagnostics = diagnostic_array(
             self.get_fully_qualified_name(), settings.model_id, self._lifecycle_state, status, window,
-            self._drops.counts(), inputs.frame_ages(now_s), settings.control_rate_hz,
+            drops, inputs.frame_ages(now_s), settings.control_rate_hz,
             camera_offsets=self._stamps.offsets(),
             offset_warn_s=self.get_parameter("camera_clock_offset_warn_s").value,
-            qos_events=self._qos_events.counts(), new_qos_events=qos_total - self._qos_reported)
+            qos_events=self._qos_events.counts(), new_qos_events=qos_total - self._qos_reported,
+            stamp=now_msg, new_drops=new_drops, camera_required={c.slot: c.required for c in settings.cameras},
+            input_rates=rates, actions_paused=self._commands.actions_paused,
+            withheld_chunks=self._commands.withheld_chunks)
         self._qos_reported = qos_total
         diagnostics.status[0].values.append(KeyValue(key="speech_text_withheld",
                                                      value=str(self._speech_text_withheld)))
