@@ -296,6 +296,7 @@ class OxygenNode(LifecycleNode):
         logged) on any error, including a warm-up action chunk with a non-finite value."""
         start = time.perf_counter()
         engine = None
+        self._lifecycle_state = "configuring"     # configure-time parameters are refused from here on
         try:
             settings = read_settings(self)
             engine = build_engine(settings)
@@ -311,6 +312,7 @@ class OxygenNode(LifecycleNode):
                 engine.close()
             self._configure_error = _node_terms(f"{type(error).__name__}: {error}")
             self.get_logger().error(f"configure failed: {self._configure_error}")
+            self._lifecycle_state = "unconfigured"
             return TransitionCallbackReturn.FAILURE
         self._configure_error = None
         self._settings, self._engine = settings, engine
@@ -650,7 +652,7 @@ class OxygenNode(LifecycleNode):
                               "no messages pass between them (see the QoS column of the README's topic table)")
 
     def _check_parameter_change(self, parameters) -> SetParametersResult:
-        reason = check_dynamic_change(parameters)
+        reason = check_dynamic_change(parameters, self._lifecycle_state)
         return SetParametersResult(successful=reason is None, reason=reason or "")
 
     def _on_latched_instruction(self, msg: String) -> None:
