@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from test_conventions_reference import _lerobot_checkpoint, aloha_actions, aloha_state, q_unnorm
-from test_node_support import REPO_ROOT, Harness, tiny_parameters, wait_for
+from test_node_support import REPO_ROOT, Harness, node_section, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 
@@ -33,7 +33,7 @@ C = torch.linspace(-0.6, 0.9, 32)
 def _yaml_parameters(path, **changes) -> list:
     from rclpy.parameter import Parameter
 
-    data = yaml.safe_load(path.read_text())["oxygen_node"]["ros__parameters"]
+    data = node_section(yaml.safe_load(path.read_text()))["ros__parameters"]
 
     def flat(mapping, prefix=""):
         for key, value in mapping.items():
@@ -77,7 +77,7 @@ def test_shipped_robot_configs_select_their_family(ros_context, name, family, ho
     assert (conv.name, conv.action_horizon, conv.binding) == (family, horizon, True)
     assert conv.action_prompt.has_state is has_state
     assert settings.action_dim == conv.action_dim and settings.action_dt_s == pytest.approx(conv.action_dt_s, rel=1e-4)
-    data = yaml.safe_load((REPO_ROOT / "config" / f"{name}.yaml").read_text())["oxygen_node"]["ros__parameters"]
+    data = node_section(yaml.safe_load((REPO_ROOT / "config" / f"{name}.yaml").read_text()))["ros__parameters"]
     assert data["action_horizon"] == horizon and data["conventions"] == family
 
 
