@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from test_node_support import EXECUTABLE, REPO_ROOT, Harness, tiny_parameters, wait_for
+from test_node_support import EXECUTABLE, JOINTS, REPO_ROOT, Harness, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 
@@ -170,3 +170,136 @@ def test_executable_ends_cleanly_on_signal(signum, tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+class _RobotSide:
+    """A robot side for the ``oxygen_node`` executable under namespace ``namespace``: publishes camera frames,
+    joint states and a latched instruction, records Speech and JointTrajectory (own context)."""
+
+    def __init__(self, namespace: str):
+        import threading
+
+        import rclpy
+        from rclpy.context import Context
+        from rclpy.executors import SingleThreadedExecutor
+        from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+        from sensor_msgs.msg import Image, JointState
+        from std_msgs.msg import String
+        from trajectory_msgs.msg import JointTrajectory
+
+        from oxygen_ros.msg import Speech
+        from test_node_support import JOINTS, raw_image
+
+        self.context = Context()
+        rclpy.init(context=self.context)
+        self.node = rclpy.create_node("robot_side", context=self.context, namespace=namespace)
+        self.positions = [0.1, -0.2, 0.3, -0.4, 0.5, -0.6, 0.02]
+        camera = self.node.create_publisher(Image, "camera/image_raw", qos_profile_sensor_data)
+        joints = self.node.create_publisher(JointState, "joint_states", qos_profile_sensor_data)
+        instruction = self.node.create_publisher(String, "instruction", QoSProfile(
+            depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL))
+        instruction.publish(String(data="stack the blocks"))
+        self.speech: list = []
+        self.trajectories: list = []
+        self.node.create_subscription(Speech, "oxygen_node/speech", self.speech.append, QoSProfile(
+            depth=100, reliability=ReliabilityPolicy.RELIABLE))
+        self.node.create_subscription(JointTrajectory, "oxygen_node/joint_trajectory", self.trajectories.append,
+                                      QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+
+        def publish():
+            camera.publish(raw_image())
+            joints.publish(JointState(name=JOINTS, position=self.positions))
+
+        self.node.create_timer(0.1, publish)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.node)
+        self.thread = threading.Thread(target=self._spin, daemon=True)
+        self.thread.start()
+
+    def _spin(self) -> None:
+        from rclpy.executors import ExternalShutdownException
+
+        try:
+            self.executor.spin()
+        except ExternalShutdownException:
+            pass
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=5.0)
+        self.thread.join(timeout=5.0)
+        self.node.destroy_node()
+        self.context.try_shutdown()
+        self.context.destroy()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_mid_utterance_ends_it_and_holds_the_arm(signum, tmp_path):
+    """A signal while an utterance is being decoded: before the process exits (code 0), every utterance
+    that had a partial Speech gets exactly one final Speech (CANCELLED), and the controller gets the
+    on_stop_command hold trajectory (one point: the latest JointState positions of the trajectory joints).
+    The time from the signal to the exit is printed, not asserted."""
+    namespace = f"/sigtest_{os.getpid()}_{signum}"
+    params = REPO_ROOT / "config" / "pi05_tiny.yaml"
+    overrides = ["control_rate_hz:=4.0", "engine.scheduling:=fixed_k", "engine.decode_steps_per_cycle:=2",
+                 "speech.trigger_every_n_frames:=1", "speech.max_new_tokens:=60", "memory.enabled:=false"]
+    robot = _RobotSide(namespace)
+    process = subprocess.Popen(
+        [sys.executable, str(EXECUTABLE), "--ros-args", "-r", f"__ns:={namespace}", "--params-file", str(params)]
+        + [arg for override in overrides for arg in ("-p", override)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    try:
+        assert wait_for(lambda: any(not s.final for s in list(robot.speech)) or process.poll() is not None,
+                        120.0), "no partial Speech"
+        assert process.poll() is None, process.stdout.read()
+        start = time.monotonic()
+        process.send_signal(signum)
+        output, _ = process.communicate(timeout=30.0)
+        elapsed = time.monotonic() - start
+        print(f"{signal.Signals(signum).name} mid-utterance: exited in {elapsed:.2f} s with code {process.returncode}")
+        assert process.returncode == 0, output
+        assert "Traceback" not in output, output
+        time.sleep(0.5)     # anything still in transit on loopback
+        speech = list(robot.speech)
+        started = {s.utterance_id for s in speech if not s.final}
+        finals = [s for s in speech if s.final]
+        for utterance in started:
+            ends = [s for s in finals if s.utterance_id == utterance]
+            assert len(ends) == 1, f"utterance {utterance}: {len(ends)} final Speech messages\n{output}"
+        in_flight_at_signal = [s for s in finals if s.utterance_id in started and s.status == s.STATUS_CANCELLED]
+        assert in_flight_at_signal, f"no utterance ended CANCELLED by the signal\n{output}"
+        hold = robot.trajectories[-1]
+        assert len(hold.points) == 1, output
+        assert list(hold.joint_names) == ["joint_1", "joint_2", "joint_3", "joint_4", "joint_5", "joint_6"]
+        assert list(hold.points[0].positions) == pytest.approx(robot.positions[:6])
+        assert list(hold.points[0].velocities) == [0.0] * 6
+        assert hold.header.stamp.sec == 0 and hold.header.stamp.nanosec == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        robot.close()
+
+
+@pytest.mark.parametrize("stop_command", ["hold", "none"])
+def test_deactivate_sends_the_configured_last_command(stop_command):
+    """on_stop_command hold: deactivate ends with one JointTrajectory holding the latest JointState positions
+    of the trajectory joints; none: no trajectory after the deactivation."""
+    harness = Harness(tiny_parameters(autostart=False, on_stop_command=stop_command))
+    try:
+        assert harness.change_state("configure") and harness.change_state("activate")
+        assert wait_for(lambda: harness.count("trajectory") >= 1, 30.0), "no trajectory while active"
+        assert harness.change_state("deactivate")
+        before = harness.count("trajectory")
+        if stop_command == "hold":
+            assert wait_for(lambda: any(len(t.points) == 1 for t in harness.received["trajectory"]))
+            hold = harness.received["trajectory"][-1]
+            assert len(hold.points) == 1
+            assert list(hold.joint_names) == JOINTS[:6]
+            assert list(hold.points[0].positions) == pytest.approx(harness.joint_positions[:6])
+            assert list(hold.points[0].velocities) == [0.0] * 6
+        time.sleep(0.5)
+        assert harness.count("trajectory") == before
+        assert all(len(t.points) > 1 for t in harness.received["trajectory"][:before - (stop_command == "hold")])
+        assert harness.change_state("cleanup")
+    finally:
+        harness.close()

@@ -1,6 +1,8 @@
 """EngineStatus figures computed from one status window: rates are what was delivered in the period."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytestmark = pytest.mark.ros
@@ -59,3 +61,70 @@ def test_output_and_time_events_set_the_levels_and_the_status_fields():
     # The next period had nothing non-finite: no longer ERROR (WARN here only because it published no chunk).
     assert engine.level != DiagnosticStatus.ERROR and "non-finite" not in engine.message
     assert status.non_finite_actions == 1
+
+
+def _inputs_status(d):
+    return next(s for s in d.status if s.name.endswith(": inputs"))
+
+
+def _engine_status(d):
+    return next(s for s in d.status if s.name.endswith(": engine"))
+
+
+def test_diagnostics_recover_after_a_bad_frame_and_tell_the_truth():
+    """Over real DDS: a bad frame makes the inputs status WARN for its period, then OK again while frames
+    keep coming; an absent optional camera is OK with a note; paused actions are shown; a deactivated
+    node reports OK "inactive" with a real stamp; per-input rates are listed."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+
+    from test_node_support import Harness, raw_image, tiny_parameters, wait_for
+
+    h = Harness(tiny_parameters(autostart=False, status_rate_hz=4.0, control_rate_hz=4.0))
+    try:
+        h.publish_cam1 = False      # the optional wrist camera is absent
+        h.stamp_seconds = lambda _index: time.time()     # stamps on the node clock: no clock-offset warning
+        assert h.change_state("configure") and h.change_state("activate")
+        assert h.chunks_flow(timeout=30.0)
+
+        def latest():
+            return list(h.received["diagnostics"])[-1]
+
+        def inputs_ok_with_note():
+            inputs = _inputs_status(latest())
+            return inputs.level == DiagnosticStatus.OK and "left_wrist_0_rgb" in inputs.message \
+                and "optional" in inputs.message
+
+        assert wait_for(inputs_ok_with_note, 20.0), _inputs_status(latest())
+        values = {v.key: v.value for v in _inputs_status(latest()).values}
+        assert float(values["camera base_0_rgb rate [Hz]"]) > 0.0
+        assert float(values["camera left_wrist_0_rgb rate [Hz]"]) == 0.0
+        assert float(values["joint_states rate [Hz]"]) > 0.0
+
+        before = h.drops("bad_step")
+        h.cam0.publish(raw_image(step=10))      # a row needs 96 bytes: dropped as bad_step
+        assert wait_for(lambda: h.drops("bad_step") > before, 10.0)
+        assert wait_for(lambda: any(_inputs_status(d).level == DiagnosticStatus.WARN and "bad_step" in
+                                    _inputs_status(d).message for d in list(h.received["diagnostics"])), 10.0)
+        warned = h.count("diagnostics")
+        # no bad frame since: the level returns to OK (the total stays listed)
+        assert wait_for(lambda: h.count("diagnostics") > warned + 1 and inputs_ok_with_note(), 20.0), \
+            _inputs_status(latest())
+        values = {v.key: v.value for v in _inputs_status(latest()).values}
+        assert int(values["dropped bad_step"]) >= 1
+
+        from oxygen_ros.srv import SwitchActions  # noqa: F401  (the built interfaces)
+        client = h.robot.create_client(SwitchActions, "oxygen_node/pause_actions")
+        assert client.wait_for_service(timeout_sec=10.0)
+        future = client.call_async(SwitchActions.Request())
+        assert wait_for(future.done, 10.0) and future.result().success
+        assert wait_for(lambda: "actions paused" in _engine_status(latest()).message and any(
+            v.key == "actions_paused" and v.value == "true" for v in _engine_status(latest()).values), 10.0)
+
+        assert h.change_state("deactivate")
+        assert wait_for(lambda: _engine_status(latest()).message.startswith("inactive"), 10.0)
+        inactive = latest()
+        assert _engine_status(inactive).level == DiagnosticStatus.OK
+        assert inactive.header.stamp.sec > 0
+        assert h.change_state("cleanup")
+    finally:
+        h.close()

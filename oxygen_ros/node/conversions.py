@@ -83,6 +83,22 @@ def joint_trajectory_msg(chunk: ActionChunk, stamp: Time, frame_id: str, action_
     return msg
 
 
+def hold_trajectory_msg(joint_names: tuple[str, ...], positions: list[float], frame_id: str,
+                        dt: float) -> JointTrajectory:
+    """A ``trajectory_msgs/JointTrajectory`` that holds the joints where they are (the node's last command
+    on stop, ``on_stop_command: hold``).
+
+    One point: ``positions`` [rad or m] of ``joint_names``, zero velocities, ``time_from_start = dt`` [s];
+    ``header.stamp`` zero (the controller starts it on receipt, replacing what it was executing).
+    """
+    msg = JointTrajectory()
+    msg.header.frame_id = frame_id
+    msg.joint_names = list(joint_names)
+    msg.points.append(JointTrajectoryPoint(positions=[float(p) for p in positions],
+                                           velocities=[0.0] * len(joint_names), time_from_start=_duration(dt)))
+    return msg
+
+
 def speech_msg(event: TextEvent, stamp: Time, utterance_id: str, sequence: int, instruction: str) -> Speech:
     """An ``oxygen_ros/Speech`` message: a partial (text so far) or the final (whole text, end status).
 

@@ -169,28 +169,47 @@ def diagnostic_array(node_name: str, hardware_id: str, lifecycle_state: str, sta
                      w: StatusWindow | None, drops: dict[str, int], camera_ages: dict[str, float | None],
                      target_rate_hz: float, camera_offsets: dict[str, float] | None = None,
                      offset_warn_s: float = float("inf"), qos_events: dict[str, int] | None = None,
-                     new_qos_events: int = 0) -> DiagnosticArray:
-    """``/diagnostics``: one status for the engine, one for the inputs.
+                     new_qos_events: int = 0, stamp: Time | None = None, new_drops: dict[str, int] | None = None,
+                     camera_required: dict[str, bool] | None = None, input_rates: dict[str, float] | None = None,
+                     actions_paused: bool = False, withheld_chunks: int = 0) -> DiagnosticArray:
+    """``/diagnostics``: one status for the engine, one for the inputs (REP-107 style: ``hardware_id``, key
+    values with units, the message naming every reason for a level above OK).
 
-    Levels: engine ERROR when not active, a cycle failed, or a non-finite action chunk or memory
-    embedding was withheld in the period; WARN when cycles were skipped (no usable observation), an
-    output was clamped, withheld or expired, a clock or stamp jumped back, the chunk rate is below
-    half the target, or the engine was overloaded (language ran on its guaranteed minimum); the
-    message names every reason. Inputs WARN when inputs were dropped, a camera has no frame yet, a
-    camera's clock offset (``camera_offsets``: node clock minus header stamp at receipt [s]) exceeds
-    ``offset_warn_s``, or new incompatible-QoS events (``qos_events``: counts per endpoint since
-    configure; ``new_qos_events`` of them since the previous publication) were reported; the message
-    names every reason.
+    Every level is judged on the last status period only, so it returns to OK once the cause stops.
+    Engine: OK with message ``inactive`` while configured but not active (a deliberate state, not a
+    fault); ERROR when a cycle failed, or a non-finite action chunk or memory embedding was withheld in
+    the period; WARN when cycles were skipped (no usable observation), an output was clamped, withheld or
+    expired, a clock or stamp jumped back, the chunk rate is below half the target, or the engine was
+    overloaded (language ran on its guaranteed minimum). Paused actions (``~/pause_actions``) are noted
+    in the message and the values (``actions_paused``, ``withheld_chunks``) without changing the level.
+    Inputs: WARN when inputs were dropped in the period (``new_drops``; ``drops`` are the totals since
+    activation, listed as values), a required camera has no frame yet, a camera's clock offset
+    (``camera_offsets``: node clock minus header stamp at receipt [s]) exceeds ``offset_warn_s``, or new
+    incompatible-QoS events (``qos_events``: counts per endpoint since configure; ``new_qos_events`` of
+    them since the previous publication) were reported. An optional camera (``camera_required`` False)
+    without frames is OK, with a note. ``input_rates`` [Hz] (messages received per second over the
+    period, per input: ``camera <slot>``, ``joint_states``) are listed as ``<input> rate [Hz]``.
+
+    Args:
+        stamp: the header stamp (the node clock now); default the EngineStatus's, else zero.
+        new_drops: drops by reason in the period; None = all of ``drops``.
+        camera_required: per camera slot; default every camera required.
     """
     camera_offsets = camera_offsets or {}
     qos_events = qos_events or {}
+    new_drops = drops if new_drops is None else {reason: n for reason, n in new_drops.items() if n}
+    camera_required = camera_required or {}
+    input_rates = input_rates or {}
     array = DiagnosticArray()
-    stamp = status.header.stamp if status is not None else Time()
+    if stamp is None:
+        stamp = status.header.stamp if status is not None else Time()
     array.header.stamp = stamp
 
     engine = DiagnosticStatus(name=f"{node_name}: engine", hardware_id=hardware_id)
+    paused = f"actions paused (~/pause_actions): {withheld_chunks} action chunks withheld" if actions_paused else ""
     if status is None or w is None:
-        engine.level, engine.message = DiagnosticStatus.ERROR, f"not active ({lifecycle_state})"
+        engine.level = DiagnosticStatus.OK
+        engine.message = "inactive" if lifecycle_state == "inactive" else f"not active ({lifecycle_state})"
     else:
         errors = {event: w.events[event] for event in ERROR_EVENTS if w.events.get(event)}
         warnings = []
@@ -219,26 +238,41 @@ def diagnostic_array(node_name: str, hardware_id: str, lifecycle_state: str, sta
                                               if isinstance(getattr(status, slot), float)
                                               else str(getattr(status, slot))))
         engine.values.append(KeyValue(key="skipped_cycles", value=str(w.skipped)))
+    if paused:
+        engine.message += f"; {paused}"
     engine.values.append(KeyValue(key="lifecycle_state", value=lifecycle_state))
+    engine.values.append(KeyValue(key="actions_paused", value=str(actions_paused).lower()))
+    engine.values.append(KeyValue(key="withheld_chunks", value=str(withheld_chunks)))
 
     inputs = DiagnosticStatus(name=f"{node_name}: inputs", hardware_id=hardware_id)
     missing = [slot for slot, age in camera_ages.items() if age is None]
+    missing_required = [slot for slot in missing if camera_required.get(slot, True)]
+    missing_optional = [slot for slot in missing if not camera_required.get(slot, True)]
     offset = {slot: value for slot, value in camera_offsets.items() if abs(value) > offset_warn_s}
     warnings = []    # every reason for WARN, in the message
-    if drops:
-        warnings.append(f"{sum(drops.values())} inputs dropped")
+    notes = []       # OK, but worth saying
+    if new_drops:
+        warnings.append(f"{sum(new_drops.values())} inputs dropped in the last period: "
+                        + ", ".join(f"{reason} {n}" for reason, n in sorted(new_drops.items())))
     if new_qos_events:
         warnings.append(f"{new_qos_events} incompatible-QoS events: {sorted(qos_events)}")
     if offset:
         warnings.append("camera clock offset (node clock - header stamp) "
                         + ", ".join(f"{slot} {value:+.3f} s" for slot, value in offset.items())
                         + f" beyond {offset_warn_s:g} s: observation-stamped outputs expire; synchronise the clocks")
-    if missing and status is not None:
-        warnings.append(f"no frame yet from {missing}")
+    if status is not None:
+        if missing_required:
+            warnings.append(f"no frame yet from required camera(s) {missing_required}")
+        if missing_optional:
+            notes.append(f"optional camera(s) {missing_optional} absent (masked)")
+    elif lifecycle_state != "active":
+        notes.append(f"{lifecycle_state}: inputs not used")
     inputs.level = DiagnosticStatus.WARN if warnings else DiagnosticStatus.OK
-    inputs.message = "; ".join(warnings) or "ok"
+    inputs.message = "; ".join(warnings + notes) or "ok"
     for slot, age in camera_ages.items():
         inputs.values.append(KeyValue(key=f"camera {slot} age [s]", value="none" if age is None else f"{age:.3f}"))
+    for name, rate in input_rates.items():
+        inputs.values.append(KeyValue(key=f"{name} rate [Hz]", value=f"{rate:.3f}"))
     for slot, value in camera_offsets.items():
         inputs.values.append(KeyValue(key=f"camera {slot} clock offset [s]", value=f"{value:.3f}"))
     for reason, count in sorted(drops.items()):

@@ -51,6 +51,7 @@ Services and actions (oxygen_ros/node/commands.py):
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -182,6 +183,12 @@ class OxygenNode(LifecycleNode):
         self._robot_description_error: str | None = None
         self._instruction_received = False
         self._latched_instruction_sub = None
+        self._trajectory_pub = None
+        self._joint_positions: dict[str, float] | None = None   # latest JointState while active, by name
+        # diagnostics' period figures: inputs stored per input since the last publication, drops reported
+        self._input_counts: dict[str, int] = {}
+        self._drops_reported: dict[str, int] = {}
+        self._status_published_at = time.perf_counter()
         # Raises InvalidParameterTypeException / InvalidParameterValueException for a value of the wrong
         # type or out of range (overrides, a params file): rclpy checks them at declaration.
         # ~/ask, ~/pause_actions, ~/resume_actions, ~/set_instruction (oxygen_ros/node/commands.py); before
@@ -289,6 +296,7 @@ class OxygenNode(LifecycleNode):
         logged) on any error, including a warm-up action chunk with a non-finite value."""
         start = time.perf_counter()
         engine = None
+        self._lifecycle_state = "configuring"     # configure-time parameters are refused from here on
         try:
             settings = read_settings(self)
             engine = build_engine(settings)
@@ -304,6 +312,7 @@ class OxygenNode(LifecycleNode):
                 engine.close()
             self._configure_error = _node_terms(f"{type(error).__name__}: {error}")
             self.get_logger().error(f"configure failed: {self._configure_error}")
+            self._lifecycle_state = "unconfigured"
             return TransitionCallbackReturn.FAILURE
         self._configure_error = None
         self._settings, self._engine = settings, engine
@@ -345,6 +354,10 @@ class OxygenNode(LifecycleNode):
         self._time_restart.clear()
         self._last_cycle_clock = None
         self._expiry_warned = False
+        self._joint_positions = None
+        self._input_counts = {}
+        self._drops_reported = {}
+        self._status_published_at = time.perf_counter()
         self._stop.clear()
         self._active = True
         self._cycle_thread = threading.Thread(target=self._run_cycles, name="oxygen_control_cycle", daemon=True)
@@ -354,9 +367,9 @@ class OxygenNode(LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        """Stop the cycle thread, cancel the language requests in flight (final Speech published)."""
-        self._stop_cycles()
-        self._end_language_requests(publish=True)
+        """Stop the cycle thread, cancel the language requests in flight (final Speech published), send the
+        controller's last command (``on_stop_command``)."""
+        self.stop_acting()
         self._lifecycle_state = "inactive"
         self.get_logger().info("inactive")
         return super().on_deactivate(state)
@@ -368,10 +381,9 @@ class OxygenNode(LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
-        """From any state: stop, cancel what is in flight (published while still active), free all."""
-        if self._active:
-            self._stop_cycles()
-            self._end_language_requests(publish=True)
+        """From any state: stop, cancel what is in flight (published while still active), send the last
+        command, free all."""
+        self.stop_acting()
         self._release()
         self._lifecycle_state = "finalized"
         return TransitionCallbackReturn.SUCCESS
@@ -379,9 +391,58 @@ class OxygenNode(LifecycleNode):
     def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
         """A transition raised: free everything and return to unconfigured."""
         self.get_logger().error(f"error in transition from {state.label}: releasing the engine")
+        try:
+            self.stop_acting()      # publishers still active: final Speech and last command go out
+        except Exception as error:  # noqa: BLE001 - the release below must happen whatever failed here
+            self.get_logger().error(f"ending the requests in flight failed: {type(error).__name__}: {error}")
         self._release()
         self._lifecycle_state = "unconfigured"
         return TransitionCallbackReturn.SUCCESS
+
+    def stop_acting(self) -> bool:
+        """When active: stop the control-cycle thread, end every language request in flight with exactly
+        one final Speech (CANCELLED), and send the controller's last command (``on_stop_command``). The
+        publishers must still be enabled (call before deactivating them or shutting the context down).
+        Returns whether the node was active; does nothing otherwise (idempotent)."""
+        if not self._active or self._engine is None:
+            return False
+        self._stop_cycles()
+        self._end_language_requests(publish=True)
+        self._send_stop_command()
+        return True
+
+    def _send_stop_command(self) -> None:
+        """``on_stop_command: hold``: one JointTrajectory holding the latest JointState positions of the
+        trajectory joints (stamp 0: executed on receipt). Logged and not sent when there is nothing to
+        hold from (no JointState, or one without a trajectory joint)."""
+        if self.get_parameter("on_stop_command").value != "hold" or self._trajectory_pub is None:
+            return
+        settings, positions = self._settings, self._joint_positions
+        names = settings.trajectory_joint_names
+        missing = list(names) if positions is None else [name for name in names if name not in positions]
+        if missing:
+            self.get_logger().warning(f"on_stop_command hold: no hold trajectory sent, no JointState position of "
+                                      f"{missing} received while active")
+            return
+        self._trajectory_pub.publish(conversions.hold_trajectory_msg(
+            names, [positions[name] for name in names], settings.frame_id, settings.action_dt_s))
+        self.get_logger().info(f"on_stop_command hold: sent a JointTrajectory holding {list(names)}")
+
+    def wait_for_final_messages(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` [s] until every reliable subscriber acknowledged the final Speech and the
+        last command (before the process exits and DDS drops what it has not delivered); False on timeout."""
+        from rclpy.duration import Duration
+
+        publishers = [p for p in (getattr(self, "_speech_pub", None), self._trajectory_pub) if p is not None]
+        deadline = time.monotonic() + timeout_s
+        acked = True
+        for publisher in publishers:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                acked = publisher.wait_for_all_acked(Duration(nanoseconds=int(left * 1e9))) and acked
+            except Exception:  # noqa: BLE001 - a destroyed publisher or an RMW without the call
+                acked = False
+        return acked
 
     def release(self) -> None:
         """Stop the cycle thread and free the engine without publishing (process exit after a signal,
@@ -411,6 +472,7 @@ class OxygenNode(LifecycleNode):
         self._owned_subscriptions.clear()
         self._owned_publishers.clear()
         self._latched_instruction_sub = None
+        self._trajectory_pub = None
         if self._engine is not None:
             self._engine.close()
         self._engine = None
@@ -571,6 +633,8 @@ class OxygenNode(LifecycleNode):
                                        "loop?): time triggers and waiting requests restart from the new time")
                 self._time_restart.set()
         self._inputs.store_frame(camera.slot, Frame(image, stamp, now_s))
+        key = f"camera {camera.slot}"
+        self._input_counts[key] = self._input_counts.get(key, 0) + 1
 
     def _on_incompatible_qos(self, info, direction: str, topic: str,
                              ignored_policy: QoSPolicyKind | None = None) -> None:
@@ -588,7 +652,7 @@ class OxygenNode(LifecycleNode):
                               "no messages pass between them (see the QoS column of the README's topic table)")
 
     def _check_parameter_change(self, parameters) -> SetParametersResult:
-        reason = check_dynamic_change(parameters)
+        reason = check_dynamic_change(parameters, self._lifecycle_state)
         return SetParametersResult(successful=reason is None, reason=reason or "")
 
     def _on_latched_instruction(self, msg: String) -> None:
@@ -653,6 +717,9 @@ class OxygenNode(LifecycleNode):
                              "before the node clock started (use_sim_time and no /clock yet)")
             return
         self._inputs.store_joint_state(state, now_s)
+        self._input_counts["joint_states"] = self._input_counts.get("joint_states", 0) + 1
+        # what on_stop_command hold holds (the trajectory joints may differ from joint_names)
+        self._joint_positions = {name: float(p) for name, p in zip(msg.name, msg.position) if math.isfinite(p)}
 
     # ---- the control cycle (its own thread) ---------------------------------------------------
 
@@ -853,12 +920,25 @@ class OxygenNode(LifecycleNode):
                                        pool.used_bytes, pool.num_blocks * pool.bytes_per_block,
                                        self._stamps.largest_offset(), qos_total)
             self._status_pub.publish(status)
+        # the period's figures: inputs received per second and drops since the previous publication
+        wall = time.perf_counter()
+        period_s = max(wall - self._status_published_at, 1e-9)
+        self._status_published_at = wall
+        counts, self._input_counts = self._input_counts, {}
+        names = [f"camera {c.slot}" for c in settings.cameras] + ["joint_states"]
+        rates = {name: counts.get(name, 0) / period_s for name in names} if self._active else {}
+        drops = self._drops.counts()
+        new_drops = {reason: n - self._drops_reported.get(reason, 0) for reason, n in drops.items()}
+        self._drops_reported = dict(drops)
         diagnostics = diagnostic_array(
             self.get_fully_qualified_name(), settings.model_id, self._lifecycle_state, status, window,
-            self._drops.counts(), inputs.frame_ages(now_s), settings.control_rate_hz,
+            drops, inputs.frame_ages(now_s), settings.control_rate_hz,
             camera_offsets=self._stamps.offsets(),
             offset_warn_s=self.get_parameter("camera_clock_offset_warn_s").value,
-            qos_events=self._qos_events.counts(), new_qos_events=qos_total - self._qos_reported)
+            qos_events=self._qos_events.counts(), new_qos_events=qos_total - self._qos_reported,
+            stamp=now_msg, new_drops=new_drops, camera_required={c.slot: c.required for c in settings.cameras},
+            input_rates=rates, actions_paused=self._commands.actions_paused,
+            withheld_chunks=self._commands.withheld_chunks)
         self._qos_reported = qos_total
         diagnostics.status[0].values.append(KeyValue(key="speech_text_withheld",
                                                      value=str(self._speech_text_withheld)))
@@ -876,40 +956,82 @@ def _error_line(error: BaseException) -> str:
 def main(args=None) -> int:
     """Run ``oxygen_node`` until SIGINT / SIGTERM or a lifecycle shutdown; returns the exit code.
 
+    On SIGINT / SIGTERM the node stops acting while the context is still up (the control cycle in
+    progress finishes, every language request in flight gets its final CANCELLED Speech, the controller
+    its last command, ``on_stop_command``), waits up to 0.5 s for reliable subscribers to acknowledge
+    those, then tears down; the time from the signal to the end of teardown is logged. A second signal
+    during the teardown is ignored (``ros2 launch`` escalates SIGINT to SIGTERM).
+
     Exit codes: 0 after a signal or a lifecycle shutdown; 1 when autostart's configure or activate failed
     (reason logged; without autostart a failed configure leaves the node waiting for a lifecycle manager);
     2 when the command line, the params file or a parameter value is rejected before the node exists (a
     missing or malformed params file, a wrong type, a value out of range): one line on stderr.
     """
+    import signal
+
+    from rclpy.signals import SignalHandlerOptions
+
+    received: list[int] = []
+
+    def on_signal(signum, _frame) -> None:
+        received.append(signum)
+
     try:
-        rclpy.init(args=args)
+        # rclpy's own handlers would shut the context down inside the signal, before the final messages
+        # could be published: the node handles SIGINT / SIGTERM itself.
+        rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
     except Exception as error:  # rcl's argument / params-file parsing
         print(f"oxygen_node: {_error_line(error)}", file=sys.stderr)
         return 2
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        node = OxygenNode()
-    except (InvalidParameterTypeException, InvalidParameterValueException) as error:
-        print(f"oxygen_node: invalid parameter: {_error_line(error)}", file=sys.stderr)
-        rclpy.try_shutdown()
-        return 2
+        try:
+            node = OxygenNode()
+        except (InvalidParameterTypeException, InvalidParameterValueException) as error:
+            print(f"oxygen_node: invalid parameter: {_error_line(error)}", file=sys.stderr)
+            rclpy.try_shutdown()
+            return 2
+        return _spin(node, received)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _spin(node: OxygenNode, received: list[int]) -> int:
+    """Spin ``node`` until a signal is in ``received``, a lifecycle shutdown or a failed autostart; then
+    end cleanly (see :func:`main`)."""
+    import signal
+
     # Three threads: the default group (transitions, parameter changes, timers, subscriptions), the query
     # services (lifecycle state, parameter reads) and the ask / command interface, so that these answer while
     # configure loads the model. Inference runs on the node's own control-cycle thread.
     executor = MultiThreadedExecutor(num_threads=3)
     executor.add_node(node)
     status = 0
+    logger = node.get_logger()
     try:
-        while rclpy.ok() and node.lifecycle_state != "finalized":
+        while not received and rclpy.ok() and node.lifecycle_state != "finalized":
             executor.spin_once(timeout_sec=0.1)
             if node.autostart_failed:
-                node.get_logger().fatal(f"autostart: {node.autostart_failed} failed; exiting (code 1)")
+                logger.fatal(f"autostart: {node.autostart_failed} failed; exiting (code 1)")
                 status = 1
                 break
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
-    finally:
+    start = time.monotonic()
+    if received:
+        logger.info(f"{signal.Signals(received[0]).name}: stopping")
+    try:
+        # the executor's threads first: no transition or timer runs while the node stops acting
         executor.shutdown(timeout_sec=5.0)
+        if node.stop_acting():
+            node.wait_for_final_messages(0.5)
+        stopped = time.monotonic()
         node.release()
         node.destroy_node()
+        if received:
+            logger.info(f"ended {time.monotonic() - start:.2f} s after the signal (stopping "
+                        f"{stopped - start:.2f} s, release {time.monotonic() - stopped:.2f} s)")
+    finally:
         rclpy.try_shutdown()
     return status

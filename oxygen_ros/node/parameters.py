@@ -1,14 +1,19 @@
 """ROS parameters of ``oxygen_node``: declarations with descriptors, and their validated values.
 
-Every parameter is declared with a :class:`ParameterDescriptor` (description, range, read-only where a
-change needs a reconfigure: model, topics, camera slots, rates, engine). Arrays are typed ROS arrays
+Every parameter is declared with a :class:`ParameterDescriptor` (description, range, and when a change
+takes effect). Arrays are typed ROS arrays
 (``string[]``, ``bool[]``), never comma-separated strings. Per-camera arrays (``camera_slots``,
 ``camera_transports``, ``camera_reliability``, ``camera_required``, and ``camera_accept_mono16``, which may
 also be empty) are parallel to ``camera_topics``.
 
-Read-only parameters are read once, in ``configure``; the rest (``staleness_limit_s``,
-``max_instruction_chars``, ``joint_limits.policy``, ``expired_output_policy``,
-``camera_clock_offset_warn_s``) may be changed at run time with ``ros2 param set``.
+Two kinds (:data:`CONFIGURE_TIME`, :data:`DYNAMIC`): the configure-time parameters (model, device,
+cameras, topics, rates, triggers, prompt templates, engine, trajectory options, ...) are read once, in
+``configure``: ``ros2 param set`` accepts them while the node is unconfigured (after ``cleanup``, or before
+the first ``configure``) and refuses them with the reason while it is configured (inactive or active),
+since the running engine would not see them. The dynamic ones (``staleness_limit_s``,
+``max_instruction_chars``, ``joint_limits.policy``, ``expired_output_policy``, ``on_stop_command``,
+``camera_clock_offset_warn_s``) are accepted in every state and read at their next use (the next control
+cycle, instruction, output or status period). ``autostart`` only acts at start-up and is read-only.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ def _int_range(low: int, high: int) -> list[IntegerRange]:
     return [IntegerRange(from_value=low, to_value=high, step=1)]
 
 
-# name -> (default or Parameter.Type for an array that may be empty, description, range kwargs, read_only)
+# name -> (default or Parameter.Type for an array that may be empty, description, range kwargs, at_configure:
+# True = read at configure (settable while unconfigured), False = dynamic (read at its next use))
 _DECLARATIONS: dict[str, tuple] = {
     # ---- lifecycle
     "autostart": (True, "configure and activate on start-up, without a lifecycle manager", {}, True),
@@ -162,13 +168,19 @@ _DECLARATIONS: dict[str, tuple] = {
     "expired_output_policy": ("fallback", "an output whose last point is already past at publication: "
                               "fallback (JointTrajectory sent with stamp 0, ActionChunk sent as it is) or "
                               "withhold (not sent); counted and warned either way", {}, False),
+    "on_stop_command": ("hold", "the controller's last command when the node stops acting (deactivate, "
+                        "shutdown, SIGINT / SIGTERM, a failed transition while active): hold (one "
+                        "JointTrajectory on ~/joint_trajectory holding the latest JointState positions of "
+                        "trajectory_joint_names; needs publish_trajectory) or none (nothing)", {}, False),
     "camera_clock_offset_warn_s": (1.0, "/diagnostics warns when a camera's header stamps differ from the node "
                                    "clock at receipt by more than this [s]",
                                    {"floating_point_range": _float_range(0.0, 1e9)}, False),
 }
 
 # Parameters that may change at run time and take a value from a fixed set: checked when set.
-DYNAMIC_CHOICES = {"joint_limits.policy": LIMIT_POLICIES, "expired_output_policy": EXPIRED_OUTPUT_POLICIES}
+STOP_COMMANDS = ("hold", "none")
+DYNAMIC_CHOICES = {"joint_limits.policy": LIMIT_POLICIES, "expired_output_policy": EXPIRED_OUTPUT_POLICIES,
+                   "on_stop_command": STOP_COMMANDS}
 
 
 @dataclass(frozen=True)
@@ -186,7 +198,8 @@ class CameraSettings:
 
 @dataclass(frozen=True)
 class NodeSettings:
-    """Validated values of the read-only parameters, read once per ``configure``.
+    """Validated values of the configure-time parameters (:data:`CONFIGURE_TIME`), read once per
+    ``configure``.
 
     ``conventions`` is the checkpoint family's, resolved and checked against the explicit settings;
     ``action_dim`` and ``action_dt_s`` are the resolved values.
@@ -259,10 +272,23 @@ class NodeSettings:
         return f"{weights} {self.dtype} {self.device}"
 
 
+# Read-only: only acts at start-up.
+START_ONLY = frozenset({"autostart"})
+# Read at configure: settable while unconfigured, refused while configured.
+CONFIGURE_TIME = frozenset(name for name, declaration in _DECLARATIONS.items() if declaration[3]) - START_ONLY
+# Read at their next use: settable in every state.
+DYNAMIC = frozenset(name for name, declaration in _DECLARATIONS.items() if not declaration[3])
+
+
 def declare_parameters(node: Node) -> None:
-    """Declare every parameter of ``oxygen_node`` on ``node`` with its descriptor."""
-    for name, (default, description, ranges, read_only) in _DECLARATIONS.items():
-        descriptor = ParameterDescriptor(description=description, read_only=read_only, **ranges)
+    """Declare every parameter of ``oxygen_node`` on ``node`` with its descriptor (its
+    ``additional_constraints`` say when a change takes effect)."""
+    for name, (default, description, ranges, at_configure) in _DECLARATIONS.items():
+        when = "read-only: acts at start-up" if name in START_ONLY else \
+            "applied at the next configure; settable only while unconfigured" if at_configure else \
+            "dynamic: takes effect at its next use"
+        descriptor = ParameterDescriptor(description=description, read_only=name in START_ONLY,
+                                         additional_constraints=when, **ranges)
         node.declare_parameter(name, default, descriptor)
 
 
@@ -402,9 +428,15 @@ def _conventions(v: dict, joint_names: tuple[str, ...], cameras: tuple[CameraSet
     return conventions
 
 
-def check_dynamic_change(parameters: list[Parameter]) -> str | None:
-    """Why a run-time change of :data:`DYNAMIC_CHOICES` parameters is refused, or None when it is valid
-    (for an ``add_on_set_parameters_callback``)."""
+def check_dynamic_change(parameters: list[Parameter], lifecycle_state: str = "unconfigured") -> str | None:
+    """Why a change of ``parameters`` is refused in ``lifecycle_state``, or None when it is accepted (for an
+    ``add_on_set_parameters_callback``): a :data:`CONFIGURE_TIME` parameter while the node is configured
+    (inactive or active), or a :data:`DYNAMIC_CHOICES` value outside its set."""
+    for parameter in parameters:
+        if parameter.name in CONFIGURE_TIME and lifecycle_state not in ("unconfigured", "finalized"):
+            return (f"parameter {parameter.name} is read at configure and the node is {lifecycle_state}: "
+                    "deactivate and cleanup, set it, then configure again (the running engine keeps the value "
+                    "it was configured with)")
     for parameter in parameters:
         allowed = DYNAMIC_CHOICES.get(parameter.name)
         if allowed is not None and parameter.value not in allowed:
