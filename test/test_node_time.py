@@ -187,3 +187,23 @@ def test_outputs_ending_in_the_past_fall_back_or_are_withheld(timed):
         h.node.set_parameters([Parameter("expired_output_policy", value="fallback")])
         h.stamp_seconds = None
     assert h.chunks_flow(timeout=60.0)
+
+
+def test_the_expiry_margin_counts_outputs_that_would_arrive_too_late(timed):
+    from rclpy.parameter import Parameter
+
+    h, _ = timed
+    events = h.node.output_events
+    assert h.chunks_flow(timeout=60.0)
+    # On-time stamps: a margin longer than any chunk (H * dt = 0.5 s) leaves no chunk enough time.
+    expired = events()["expired_chunks"]
+    assert h.node.set_parameters([Parameter("expired_output_margin_s", value=1e6)])[0].successful
+    try:
+        assert wait_for(lambda: events()["expired_chunks"] >= expired + 3, 60.0)
+        start = h.count("trajectory")
+        assert wait_for(lambda: h.count("trajectory") >= start + 2, 60.0)
+        assert all(_seconds(t.header.stamp) == 0.0 for t in h.received["trajectory"][start + 1:])   # fallback
+        assert not h.node.set_parameters([Parameter("expired_output_margin_s", value=-1.0)])[0].successful
+    finally:
+        h.node.set_parameters([Parameter("expired_output_margin_s", value=0.0)])
+    assert h.chunks_flow(timeout=60.0)

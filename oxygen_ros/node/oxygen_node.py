@@ -818,10 +818,11 @@ class OxygenNode(LifecycleNode):
                 return
             chunk = replace(chunk, actions=limits.clamp(actions))
         expiry = self.get_parameter("expired_output_policy").value
+        margin = self.get_parameter("expired_output_margin_s").value   # delivery time to the controller
         _, now_s = self._now()
         stamp_s = stamp_seconds(info.stamp)
         horizon, dt = chunk.actions.shape[0], settings.action_dt_s
-        late = expired_by(stamp_s, (horizon - 1) * dt, now_s)
+        late = expired_by(stamp_s, (horizon - 1) * dt - margin, now_s)
         if late is not None:
             self._status.record_event("expired_chunks", f"observation {chunk.seq}: {late:.3f} s past")
             self._warn_expired("ActionChunk", late, now_s - stamp_s, expiry)
@@ -832,7 +833,7 @@ class OxygenNode(LifecycleNode):
             return
         stamp = Time()
         if settings.trajectory_stamp_policy == "observation":
-            late = expired_by(stamp_s, horizon * dt, now_s)
+            late = expired_by(stamp_s, horizon * dt - margin, now_s)
             if late is None:
                 stamp = info.stamp
             else:

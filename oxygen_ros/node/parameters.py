@@ -11,7 +11,8 @@ cameras, topics, rates, triggers, prompt templates, engine, trajectory options, 
 ``configure``: ``ros2 param set`` accepts them while the node is unconfigured (after ``cleanup``, or before
 the first ``configure``) and refuses them with the reason while it is configured (inactive or active),
 since the running engine would not see them. The dynamic ones (``staleness_limit_s``,
-``max_instruction_chars``, ``joint_limits.policy``, ``expired_output_policy``, ``on_stop_command``,
+``max_instruction_chars``, ``joint_limits.policy``, ``expired_output_policy``,
+``expired_output_margin_s``, ``on_stop_command``,
 ``camera_clock_offset_warn_s``) are accepted in every state and read at their next use (the next control
 cycle, instruction, output or status period). ``autostart`` only acts at start-up and is read-only.
 """
@@ -168,6 +169,9 @@ _DECLARATIONS: dict[str, tuple] = {
     "expired_output_policy": ("fallback", "an output whose last point is already past at publication: "
                               "fallback (JointTrajectory sent with stamp 0, ActionChunk sent as it is) or "
                               "withhold (not sent); counted and warned either way", {}, False),
+    "expired_output_margin_s": (0.0, "an output counts as expired (expired_output_policy) when less than this "
+                                "much of it is left at publication [s]: the time it takes to reach and start "
+                                "on the controller", {"floating_point_range": _float_range(0.0, 1e9)}, False),
     "on_stop_command": ("hold", "the controller's last command when the node stops acting (deactivate, "
                         "shutdown, SIGINT / SIGTERM, a failed transition while active): hold (one "
                         "JointTrajectory on ~/joint_trajectory holding the latest JointState positions of "
