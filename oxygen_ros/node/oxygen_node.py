@@ -579,10 +579,12 @@ class OxygenNode(LifecycleNode):
                                    for info in self.get_publishers_info_by_topic(
                                        self.resolve_topic_name(settings.instruction_topic))):
             # A volatile publisher is incompatible with this one by design (the volatile subscription
-            # serves it): DURABILITY events here are not counted.
-            self._latched_instruction_sub = self._subscribe(
-                String, settings.instruction_topic, self._on_latched_instruction, _LATCHED_QOS,
-                ignored_policy=QoSPolicyKind.DURABILITY)
+            # serves it and counts every other incompatibility on the topic), so it has no QoS event
+            # handler: rclpy's executor can still hold a destroyed subscription's event handler in its
+            # wait set and raise InvalidHandle ("cannot use Destroyable") when the subscription goes.
+            self._latched_instruction_sub = self.create_subscription(
+                String, settings.instruction_topic, self._on_latched_instruction, _LATCHED_QOS)
+            self._owned_subscriptions.append(self._latched_instruction_sub)
 
     # ---- input callbacks (executor thread: convert and store only) ----------------------------
 
@@ -1036,3 +1038,7 @@ def _spin(node: OxygenNode, received: list[int]) -> int:
     finally:
         rclpy.try_shutdown()
     return status
+
+
+if __name__ == "__main__":    # python -m oxygen_ros.node.oxygen_node --ros-args ...
+    raise SystemExit(main())

@@ -106,8 +106,9 @@ _DECLARATIONS: dict[str, tuple] = {
                              "image is dropped as unsupported_encoding)", {}, True),
     "staleness_limit_s": (0.5, "frames and joint states received longer ago than this (node clock) are not "
                           "used [s]", {"floating_point_range": _float_range(0.001, 3600.0)}, False),
-    "instruction_topic": ("instruction", "std_msgs/String instruction topic (reliable, transient local, "
-                          "depth 1)", {}, True),
+    "instruction_topic": ("instruction", "std_msgs/String instruction topic (reliable, volatile, depth 10; "
+                          "plus a transient-local subscription for a latched instruction until the first "
+                          "one arrives)", {}, True),
     "default_instruction": ("", "instruction used until one arrives on the instruction topic", {}, True),
     "max_instruction_chars": (1000, "longer instructions are dropped (counted, with a warning)",
                               {"integer_range": _int_range(1, 1_000_000)}, False),
