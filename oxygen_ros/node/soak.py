@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import rclpy
 from rclpy.context import Context
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     context = Context()
     rclpy.init(context=context)
-    executor = MultiThreadedExecutor(num_threads=3, context=context)
+    executor = SingleThreadedExecutor(context=context)
     driver = Driver(frames, joints, args.instruction_every, context=context)
     oxygen = OxygenNode(context=context, parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
     monitor = Monitor(driver, "/oxygen_node", context=context)
@@ -320,6 +320,15 @@ def _spin(executor) -> None:
         pass
 
 
+def _engine_figures(engine) -> dict:
+    """Mean seconds per cycle phase and frame latency over the engine's metrics window."""
+    if engine is None:
+        return {}
+    metrics = engine.metrics()
+    return {"frame_latency_mean_s": metrics["frame_latency_s"]["mean"], "phase_mean_s": metrics["phase_mean_s"],
+            "mean_batch_size": metrics["mean_batch_size"], "requests_by_status": metrics["requests_by_status"]}
+
+
 def _summary(driver: Driver, oxygen, monitor: Monitor, args) -> dict:
     status = monitor.last_status
     node_counters = {} if status is None else {
@@ -353,7 +362,8 @@ def _summary(driver: Driver, oxygen, monitor: Monitor, args) -> dict:
         "received": {"before_reset": before, "after_reset": after, "non_finite": monitor.non_finite,
                      "expired": monitor.expired,
                      "latest_end_vs_clock_s": {k: round(v, 3) for k, v in monitor.worst_lateness_s.items()}},
-        "node_counters": node_counters, "node_input_drops": drops,
+        "node_counters": node_counters, "node_input_drops": drops, "node_skipped_cycles": oxygen.skip_reasons(),
+        "engine": _engine_figures(oxygen.engine),
     }
 
 
