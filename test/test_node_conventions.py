@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from test_conventions_reference import _lerobot_checkpoint, aloha_actions, aloha_state, q_unnorm
-from test_node_support import REPO_ROOT, Harness, node_section, tiny_parameters, wait_for
+from test_node_support import REPO_ROOT, Harness, file_parameters, node_section, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 
@@ -28,20 +28,6 @@ ALOHA_JOINTS = ["left_waist", "left_shoulder", "left_elbow", "left_forearm_roll"
 ARM_JOINTS = [j for j in ALOHA_JOINTS if not j.endswith("gripper")]
 FR3_JOINTS = [f"fr3_joint{i}" for i in range(1, 8)] + ["fr3_finger_joint1"]
 C = torch.linspace(-0.6, 0.9, 32)
-
-
-def _yaml_parameters(path, **changes) -> list:
-    from rclpy.parameter import Parameter
-
-    data = node_section(yaml.safe_load(path.read_text()))["ros__parameters"]
-
-    def flat(mapping, prefix=""):
-        for key, value in mapping.items():
-            yield from flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
-
-    values = dict(flat(data))
-    values.update(changes)
-    return [Parameter(name, value=value) for name, value in values.items()]
 
 
 def _settings(ros_context, parameters):
@@ -72,7 +58,7 @@ def _configure_error(ros_context, **changes) -> str | None:
     ("pi05_aloha", "openpi/pi05_aloha", 50, True), ("pi05_droid", "openpi/pi05_droid", 15, True),
     ("pi05_libero", "openpi/pi05_libero", 10, False)])
 def test_shipped_robot_configs_select_their_family(ros_context, name, family, horizon, has_state):
-    settings = _settings(ros_context, _yaml_parameters(REPO_ROOT / "config" / f"{name}.yaml", autostart=False))
+    settings = _settings(ros_context, file_parameters(REPO_ROOT / "config" / f"{name}.yaml", autostart=False))
     conv = settings.conventions
     assert (conv.name, conv.action_horizon, conv.binding) == (family, horizon, True)
     assert conv.action_prompt.has_state is has_state

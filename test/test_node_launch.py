@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_node_support import INSTALL_PREFIX, REPO_ROOT, node_section
+from test_node_support import INSTALL_PREFIX, REPO_ROOT, flat_parameters, node_section
 
 pytestmark = pytest.mark.ros
 
@@ -158,14 +158,6 @@ def test_launch_log_level_and_namespace_reach_the_node():
     assert node["name"] == "oxygen_node"
 
 
-def _flat(mapping: dict, prefix: str = ""):
-    for key, value in mapping.items():
-        if isinstance(value, dict):
-            yield from _flat(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
-
-
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_config_files_set_declared_parameters_with_valid_values(path, ros_context):
     from rclpy.parameter import Parameter
@@ -175,7 +167,7 @@ def test_config_files_set_declared_parameters_with_valid_values(path, ros_contex
 
     data = yaml.safe_load(path.read_text())
     assert list(data) == ["/**/oxygen_node"], "keyed for any namespace (namespace:=robot1 must still match)"
-    values = dict(_flat(node_section(data)["ros__parameters"]))
+    values = dict(flat_parameters(node_section(data)["ros__parameters"]))
     node = OxygenNode(context=ros_context, parameter_overrides=[Parameter("autostart", value=False)])
     try:
         undeclared = sorted(name for name in values if not node.has_parameter(name))

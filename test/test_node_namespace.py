@@ -16,19 +16,11 @@ import time
 import pytest
 import yaml
 
-from test_node_support import EXECUTABLE, REPO_ROOT, node_section
+from test_node_support import EXECUTABLE, REPO_ROOT, flat_parameters, node_section
 
 pytestmark = pytest.mark.ros
 
 CONFIGS = sorted((REPO_ROOT / "config").glob("*.yaml"))
-
-
-def _flat(mapping: dict, prefix: str = ""):
-    for key, value in mapping.items():
-        if isinstance(value, dict):
-            yield from _flat(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
 
 
 def _node_from_file(path, namespace: str):
@@ -61,7 +53,7 @@ def _same(actual, expected) -> bool:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_params_file_applies_to_a_namespaced_node(path):
-    values = dict(_flat(node_section(yaml.safe_load(path.read_text()))["ros__parameters"]))
+    values = dict(flat_parameters(node_section(yaml.safe_load(path.read_text()))["ros__parameters"]))
     values.pop("autostart", None)    # overridden to false here
     context, node = _node_from_file(path, "/robot1")
     try:

@@ -56,22 +56,28 @@ def node_section(data: dict) -> dict:
     raise KeyError(f"no section for oxygen_node (keys {list(data)}; expected one of {list(NODE_KEYS)})")
 
 
-def tiny_parameters(**changes) -> list:
-    """``config/pi05_tiny.yaml`` as parameter overrides, with ``changes`` (dotted names) applied."""
+def flat_parameters(mapping: dict, prefix: str = ""):
+    """``(dotted name, value)`` pairs of a params file's nested ``ros__parameters`` mapping."""
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            yield from flat_parameters(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def file_parameters(path, **changes) -> list:
+    """The node's parameters in the params file ``path`` as overrides, with ``changes`` (dotted names)
+    applied."""
     from rclpy.parameter import Parameter
 
-    data = node_section(yaml.safe_load((REPO_ROOT / "config" / "pi05_tiny.yaml").read_text()))["ros__parameters"]
-
-    def flat(mapping, prefix=""):
-        for key, value in mapping.items():
-            if isinstance(value, dict):
-                yield from flat(value, f"{prefix}{key}.")
-            else:
-                yield f"{prefix}{key}", value
-
-    values = dict(flat(data))
+    values = dict(flat_parameters(node_section(yaml.safe_load(Path(path).read_text()))["ros__parameters"]))
     values.update(changes)
     return [Parameter(name, value=value) for name, value in values.items()]
+
+
+def tiny_parameters(**changes) -> list:
+    """``config/pi05_tiny.yaml`` as parameter overrides, with ``changes`` (dotted names) applied."""
+    return file_parameters(REPO_ROOT / "config" / "pi05_tiny.yaml", **changes)
 
 
 def wait_for(condition, timeout: float = 10.0, interval: float = 0.02) -> bool:
