@@ -91,12 +91,6 @@ class Request:
         return len(self.output_ids) >= self.task.max_new_tokens or \
             self.output_ids[-1] in self.stop_tokens(eos_token_id)
 
-    def text_ids(self, eos_token_id: int) -> list[int]:
-        """Generated tokens without a trailing stop token (what is detokenized)."""
-        if self.output_ids and self.output_ids[-1] in self.stop_tokens(eos_token_id):
-            return self.output_ids[:-1]
-        return self.output_ids
-
 
 def sample_tokens(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """Next token per request from fp32 ``logits [B, V]``: greedy argmax, or temperature sampling
