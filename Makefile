@@ -12,7 +12,7 @@ test: setup
 	@$(WITH_ENV) pytest
 
 demo: setup
-	@$(WITH_ENV) python -m oxygen_ros.node.demo $(DEMO_ARGS)
+	@$(WITH_ENV) python -m oxygen_ros.tools.demo $(DEMO_ARGS)
 
 # The same programs as the console scripts `oxygen-bench-model` / `oxygen-bench-engine` of `pip install .`.
 bench-model: setup

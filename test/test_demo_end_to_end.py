@@ -20,10 +20,10 @@ def test_short_demo_produces_chunks_speech_memory_and_a_readable_mcap(tmp_path):
     pytest.importorskip("gym_aloha")
     from rosbags.highlevel import AnyReader
 
-    from oxygen_ros.node.bag_recorder import project_typestore
+    from oxygen_ros.tools.bag_recorder import project_typestore
 
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-P", "-m", "oxygen_ros.node.demo", "--duration", "10",
+    proc = subprocess.run([sys.executable, "-P", "-m", "oxygen_ros.tools.demo", "--duration", "10",
                            "--min-outputs", "3", "--max-duration", "300", "--output", str(run_dir)], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ))
     print(proc.stdout[-4000:])

@@ -18,7 +18,7 @@ def test_recorder_writes_every_topic_readable_field_for_field(ros_context, tmp_p
     from std_msgs.msg import String
 
     from oxygen_ros.msg import ActionChunk
-    from oxygen_ros.node.bag_recorder import BagRecorder, project_typestore
+    from oxygen_ros.tools.bag_recorder import BagRecorder, project_typestore
 
     talker = Node("talker", context=ros_context)
     latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,

@@ -35,8 +35,8 @@ def test_replay_real_mcap_at_recorded_rate_with_remap(ros_context, shared_data):
     from sensor_msgs.msg import CompressedImage, Image, JointState
     from std_msgs.msg import String
 
-    from oxygen_ros.node.bag_recorder import project_typestore
-    from oxygen_ros.node.replay import BagPlayer, parse_remaps
+    from oxygen_ros.tools.bag_recorder import project_typestore
+    from oxygen_ros.tools.replay import BagPlayer, parse_remaps
 
     bag = shared_data / BAG
     remap = parse_remaps(["/cam_high/image_raw:=/robot/camera/image_raw", "/instruction:=/robot/instruction"])
@@ -80,8 +80,8 @@ def test_replay_sqlite3_bag_with_restamp(ros_context, tmp_path):
     from rclpy.executors import SingleThreadedExecutor
     from sensor_msgs.msg import JointState
 
-    from oxygen_ros.node.bag_recorder import BagWriter
-    from oxygen_ros.node.replay import BagPlayer
+    from oxygen_ros.tools.bag_recorder import BagWriter
+    from oxygen_ros.tools.replay import BagPlayer
 
     bag = tmp_path / "sqlite_bag"
     with BagWriter(bag, storage="sqlite3") as writer:
@@ -119,7 +119,7 @@ def test_replay_sqlite3_bag_with_restamp(ros_context, tmp_path):
 
 
 def test_replay_rejects_bad_arguments(ros_context, tmp_path):
-    from oxygen_ros.node.replay import BagPlayer, parse_remaps
+    from oxygen_ros.tools.replay import BagPlayer, parse_remaps
 
     with pytest.raises(ValueError):
         parse_remaps(["/a=/b"])

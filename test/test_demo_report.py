@@ -11,7 +11,7 @@ pytestmark = pytest.mark.ros
 
 
 def test_missing_run_directory_is_one_line_and_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "oxygen_ros.node.report", str(tmp_path / "missing")],
+    proc = subprocess.run([sys.executable, "-m", "oxygen_ros.tools.report", str(tmp_path / "missing")],
                           capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -22,8 +22,8 @@ def test_bag_without_metadata_is_read_from_its_mcap(tmp_path):
     from rclpy.serialization import serialize_message
 
     from oxygen_ros.msg import ActionChunk
-    from oxygen_ros.node.bag_recorder import BagWriter
-    from oxygen_ros.node.report import load_run
+    from oxygen_ros.tools.bag_recorder import BagWriter
+    from oxygen_ros.tools.report import load_run
 
     bag = tmp_path / "bag"
     with BagWriter(bag) as writer:

@@ -17,7 +17,7 @@ def test_sim_robot_publishes_cameras_and_joints_and_executes_chunks(ros_context)
     from sensor_msgs.msg import Image, JointState
 
     from oxygen_ros.msg import ActionChunk
-    from oxygen_ros.node.sim_robot import CAMERAS, SimRobot
+    from oxygen_ros.tools.sim_robot import CAMERAS, SimRobot
 
     robot = SimRobot(context=ros_context, parameter_overrides=[])
     probe = Node("probe", context=ros_context)
@@ -65,7 +65,7 @@ def test_wild_actions_keep_the_physics_stable():
     """Targets jumping between the control-range extremes every 20 ms (what random weights send) are
     rate-limited: the state stays finite and the scene never needs a reset."""
     pytest.importorskip("gym_aloha")
-    from oxygen_ros.node.sim_robot import AlohaScene
+    from oxygen_ros.tools.sim_robot import AlohaScene
 
     scene = AlohaScene(width=64, height=48)
     try:
@@ -87,7 +87,7 @@ def test_instability_resets_the_scene_and_shutdown_ends_the_threads_quietly(ros_
     import threading
     import time
 
-    from oxygen_ros.node.sim_robot import SimRobot
+    from oxygen_ros.tools.sim_robot import SimRobot
 
     monkeypatch.chdir(tmp_path)
     errors = []

@@ -17,7 +17,7 @@ from oxygen_ros.engine import Engine, RequestStatus
 from oxygen_ros.engine.detokenizer import IncrementalDetokenizer, is_speakable
 from oxygen_ros.models import load_model
 from oxygen_ros.models.tokenizer import PaliGemmaTokenizer, TinyTokenizer
-from test_engine_support import SPEECH, ByteProcessor, engine_config, observation
+from engine_support import SPEECH, ByteProcessor, engine_config, observation
 
 TINY = TinyTokenizer(2048)
 

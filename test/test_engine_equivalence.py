@@ -6,7 +6,7 @@ import torch
 
 from oxygen_ros.engine import Engine, RequestStatus
 from oxygen_ros.models import load_model
-from test_engine_support import MEMORY, SPEECH, ByteProcessor, engine_config, observation
+from engine_support import MEMORY, SPEECH, ByteProcessor, engine_config, observation
 
 FRAMES = 20
 

@@ -10,7 +10,7 @@ import torch
 
 from oxygen_ros.engine import Engine, EngineConfig, RequestStatus
 from oxygen_ros.models import load_model
-from test_engine_support import MEMORY, SPEECH, ByteProcessor, engine_config, observation
+from engine_support import MEMORY, SPEECH, ByteProcessor, engine_config, observation
 
 ONE_CAM = ("left_wrist_0_rgb",)
 

@@ -10,7 +10,7 @@ import torch
 
 from oxygen_ros.engine import Engine, RequestStatus
 from oxygen_ros.models import load_model
-from test_engine_support import SPEECH, ByteProcessor, engine_config, observation
+from engine_support import SPEECH, ByteProcessor, engine_config, observation
 
 # A speech task without a trigger: it runs only on request, so every request of it is a submitted one.
 ON_DEMAND = dict(SPEECH, trigger={}, max_new_tokens=5)

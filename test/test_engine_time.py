@@ -8,7 +8,7 @@ import torch
 
 from oxygen_ros.engine import Engine
 from oxygen_ros.models import load_model
-from test_engine_support import MEMORY, ByteProcessor, engine_config, observation
+from engine_support import MEMORY, ByteProcessor, engine_config, observation
 
 ONE_CAM = ("left_wrist_0_rgb",)
 

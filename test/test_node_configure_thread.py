@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from test_node_support import EXECUTABLE, REPO_ROOT
+from node_support import EXECUTABLE, REPO_ROOT
 
 pytestmark = pytest.mark.ros
 

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from test_conventions_reference import _lerobot_checkpoint, aloha_actions, aloha_state, q_unnorm
-from test_node_support import REPO_ROOT, Harness, file_parameters, node_section, tiny_parameters, wait_for
+from node_support import REPO_ROOT, Harness, file_parameters, node_section, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import spin_until
-from test_node_support import tiny_parameters
+from node_support import tiny_parameters
 
 pytestmark = pytest.mark.ros
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_node_support import INSTALL_PREFIX, REPO_ROOT, flat_parameters, node_section
+from node_support import INSTALL_PREFIX, REPO_ROOT, flat_parameters, node_section
 
 pytestmark = pytest.mark.ros
 

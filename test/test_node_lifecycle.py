@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from test_node_support import EXECUTABLE, JOINTS, REPO_ROOT, Harness, tiny_parameters, wait_for
+from node_support import EXECUTABLE, JOINTS, REPO_ROOT, Harness, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 
@@ -188,7 +188,7 @@ class _RobotSide:
         from trajectory_msgs.msg import JointTrajectory
 
         from oxygen_ros.msg import Speech
-        from test_node_support import JOINTS, raw_image
+        from node_support import JOINTS, raw_image
 
         self.context = Context()
         rclpy.init(context=self.context)

@@ -16,7 +16,7 @@ import time
 import pytest
 import yaml
 
-from test_node_support import EXECUTABLE, REPO_ROOT, flat_parameters, node_section
+from node_support import EXECUTABLE, REPO_ROOT, flat_parameters, node_section
 
 pytestmark = pytest.mark.ros
 

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from test_node_support import Harness, tiny_parameters, wait_for
+from node_support import Harness, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 

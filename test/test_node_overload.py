@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_node_support import Harness, tiny_parameters, wait_for
+from node_support import Harness, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from test_node_support import EXECUTABLE, REPO_ROOT, tiny_parameters
+from node_support import EXECUTABLE, REPO_ROOT, tiny_parameters
 
 pytestmark = pytest.mark.ros
 
@@ -125,7 +125,7 @@ def test_camera_accept_mono16_lets_a_16bit_grey_camera_through():
     chunks are computed from them (the wrist camera pauses: its frames carry the same stamps)."""
     from std_msgs.msg import String
 
-    from test_node_support import Harness, wait_for
+    from node_support import Harness, wait_for
 
     harness = Harness(tiny_parameters(control_rate_hz=4.0, camera_accept_mono16=[True, False]))
     try:

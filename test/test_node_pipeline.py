@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from oxygen_ros.engine.detokenizer import is_speakable
-from test_node_support import Harness, jpeg_image, publish_until, raw_image, tiny_parameters, wait_for
+from node_support import Harness, jpeg_image, publish_until, raw_image, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 
@@ -268,7 +268,7 @@ def test_non_ascii_instruction_is_used(harness):
 def test_bad_joint_state_is_counted(harness, reason, names, positions):
     from sensor_msgs.msg import JointState
 
-    from test_node_support import JOINTS
+    from node_support import JOINTS
 
     before = harness.drops(reason)
     assert publish_until(lambda: harness.joints.publish(JointState(name=names or JOINTS, position=positions)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_node_support import JOINTS, Harness, tiny_parameters, wait_for
+from node_support import JOINTS, Harness, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 

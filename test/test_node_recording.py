@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from test_node_support import Harness, tiny_parameters, wait_for
+from node_support import Harness, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 
@@ -38,7 +38,7 @@ def test_outputs_recorded_to_mcap_read_back_field_for_field(tmp_path):
     from rosbags.highlevel import AnyReader
     from std_msgs.msg import String
 
-    from oxygen_ros.node.bag_recorder import BagRecorder, project_typestore
+    from oxygen_ros.tools.bag_recorder import BagRecorder, project_typestore
 
     harness = Harness(tiny_parameters(**{"control_rate_hz": 4.0, "memory.trigger_every_s": 1.0}))
     TOPICS = {harness.topic(relative): value for relative, value in OUTPUTS.items()}

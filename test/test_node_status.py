@@ -77,7 +77,7 @@ def test_diagnostics_recover_after_a_bad_frame_and_tell_the_truth():
     node reports OK "inactive" with a real stamp; per-input rates are listed."""
     from diagnostic_msgs.msg import DiagnosticStatus
 
-    from test_node_support import Harness, raw_image, tiny_parameters, wait_for
+    from node_support import Harness, raw_image, tiny_parameters, wait_for
 
     h = Harness(tiny_parameters(autostart=False, status_rate_hz=4.0, control_rate_hz=4.0))
     try:

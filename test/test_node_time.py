@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from test_node_support import Harness, tiny_parameters, wait_for
+from node_support import Harness, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 

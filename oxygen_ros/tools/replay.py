@@ -7,7 +7,7 @@
         [--topics /a /b ...] [--rate 1.0] [--loop] [--restamp] [--duration S]
         [--node [--params-file config/pi05_tiny.yaml] [--param name:=value ...]]
 
-(also ``python -m oxygen_ros.node.replay ...``). Messages are published exactly as recorded — the
+(also ``python -m oxygen_ros.tools.replay ...``). Messages are published exactly as recorded — the
 serialized CDR bytes, without a round trip through Python objects — unless ``--restamp`` rewrites every
 ``header.stamp`` to the time of publication (for nodes that judge freshness by stamps). Each message is
 published at ``start + (recorded time - bag start) / rate`` on a monotonic clock.
@@ -34,7 +34,7 @@ from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rosbags.highlevel import AnyReader
 
-from oxygen_ros.node.bag_recorder import message_class, project_typestore
+from oxygen_ros.tools.bag_recorder import message_class, project_typestore
 
 _LATCHED_TYPES = {"std_msgs/msg/String"}
 

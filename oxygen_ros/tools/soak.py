@@ -2,7 +2,7 @@
 
     oxygen_ros soak [--bag BAG] [--duration 600] [--delivery-margin 0.1] [--json OUT]
 
-(also ``python -m oxygen_ros.node.soak``). One process runs the oxygen node (``use_sim_time``) and a
+(also ``python -m oxygen_ros.tools.soak``). One process runs the oxygen node (``use_sim_time``) and a
 driver node that injects, over real DDS:
 
 * a simulated ``/clock`` at real-time speed that is **reset** half-way (from about 100 s + T/2 back
@@ -71,7 +71,7 @@ def load_frames(bag: Path | None, limit: int = 16) -> list[np.ndarray]:
         return frames
     from rosbags.highlevel import AnyReader
 
-    from oxygen_ros.node.bag_recorder import project_typestore
+    from oxygen_ros.tools.bag_recorder import project_typestore
 
     with AnyReader([bag], default_typestore=project_typestore()) as reader:
         connections = [c for c in reader.connections

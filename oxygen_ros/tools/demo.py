@@ -1,7 +1,7 @@
 """``make demo``: the whole system end to end on a CPU, for a bounded time, then a summary and plots.
 
 What runs:
-    * a simulated ALOHA robot (:mod:`oxygen_ros.node.sim_robot`) in a child process of its own (so its
+    * a simulated ALOHA robot (:mod:`oxygen_ros.tools.sim_robot`) in a child process of its own (so its
       MuJoCo rendering never competes with inference for Python's GIL): cameras top, left_wrist,
       right_wrist rendered at ``--camera-rate`` each, 14 joint states at 50 Hz; it executes the action
       chunks;
@@ -9,17 +9,17 @@ What runs:
       say otherwise) with the action task, a speech task (an utterance every ``--speech-every`` s) and
       a memory task (an entry every ``--memory-every`` s), reusing the newest camera frames within
       ``--staleness`` s;
-    * a recorder (:mod:`oxygen_ros.node.bag_recorder`) that writes every topic to
+    * a recorder (:mod:`oxygen_ros.tools.bag_recorder`) that writes every topic to
       ``runs/<timestamp>/bag`` (rosbag2, MCAP);
     * this process publishes the instruction (latched) and follows the outputs.
 The node, the recorder and the follower share one multi-threaded executor in this process; the robot
 process is ended with this one in every case (SIGINT, SIGTERM, errors, and the kernel's parent-death
 signal if this process is killed). On a robot the same nodes come up with ``ros2 launch``.
 
-Afterwards :mod:`oxygen_ros.node.report` reads the bag back and prints the summary and writes
+Afterwards :mod:`oxygen_ros.tools.report` reads the bag back and prints the summary and writes
 ``timeline.png`` and ``contact_sheet.png`` next to it. Exit status 0 when action chunks flowed.
 
-Command line: ``python -m oxygen_ros.node.demo [--duration 60] [--checkpoint DIR] ...`` (``--help``).
+Command line: ``python -m oxygen_ros.tools.demo [--duration 60] [--checkpoint DIR] ...`` (``--help``).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from std_msgs.msg import String
 
 from oxygen_ros.models.processing import ACTION_PROMPT
 from oxygen_ros.msg import ActionChunk, MemoryEntry, Speech
-from oxygen_ros.node import sim_robot
-from oxygen_ros.node.bag_recorder import BagRecorder, default_run_dir
+from oxygen_ros.tools import sim_robot
+from oxygen_ros.tools.bag_recorder import BagRecorder, default_run_dir
 
 NODE_NAME = "oxygen_node"
 # The simulated robot's cameras -> the model's camera slots (openpi's ALOHA image keys).
@@ -141,7 +141,7 @@ def _start_robot(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
     def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
-    command = [sys.executable, "-P", "-m", "oxygen_ros.node.sim_robot", "--ros-args",
+    command = [sys.executable, "-P", "-m", "oxygen_ros.tools.sim_robot", "--ros-args",
                "-p", f"camera_rate_hz:={args.camera_rate}",
                "-p", f"action_chunk_topic:=/{NODE_NAME}/action_chunk", "-p", f"seed:={args.seed}"]
     log = open(log_path, "w")
@@ -206,7 +206,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the demo (see the module docstring); returns the process exit status."""
     args = parse_args(argv)
-    from oxygen_ros.node import report
+    from oxygen_ros.tools import report
     from oxygen_ros.node.oxygen_node import OxygenNode
 
     wall_start = time.monotonic()

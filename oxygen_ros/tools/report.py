@@ -1,6 +1,6 @@
 """End-of-run summary and plots of a demo run, read back from its rosbag2 (and the engine's cycle records).
 
-A run directory (``runs/<timestamp>/``, written by :mod:`oxygen_ros.node.demo`) holds ``bag/`` (rosbag2
+A run directory (``runs/<timestamp>/``, written by :mod:`oxygen_ros.tools.demo`) holds ``bag/`` (rosbag2
 MCAP of every topic) and ``engine_cycles.json`` (the engine's per-cycle ``CycleRecord``s as dicts; the
 node publishes only windowed aggregates, so the demo copies them from the in-process engine). This
 module reads them back with ``rosbags`` (which also proves the bag readable) and writes:
@@ -13,7 +13,7 @@ module reads them back with ``rosbags`` (which also proves the bag readable) and
 * ``contact_sheet.png`` — sampled action chunks, each with the newest frame of every camera it could
   have used and its actions.
 
-Command line: ``python -m oxygen_ros.node.report runs/<timestamp>`` (re-creates the files).
+Command line: ``python -m oxygen_ros.tools.report runs/<timestamp>`` (re-creates the files).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from rosbags.highlevel import AnyReader  # noqa: E402
 
-from oxygen_ros.node.bag_recorder import project_typestore  # noqa: E402
+from oxygen_ros.tools.bag_recorder import project_typestore  # noqa: E402
 
 _STATUS_NAMES = {0: "in progress", 1: "completed", 2: "cancelled", 3: "dropped"}
 _PHASES = (("encode_s", "encode"), ("prefill_s", "prefill"), ("denoise_s", "denoise"), ("decode_s", "decode"))
@@ -357,7 +357,7 @@ def write_report(run_dir: Path | str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m oxygen_ros.node.report RUN_DIR``: print the summary and (re)write the plots."""
+    """``python -m oxygen_ros.tools.report RUN_DIR``: print the summary and (re)write the plots."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=Path, help="a demo run directory (with bag/)")
     args = parser.parse_args(argv)

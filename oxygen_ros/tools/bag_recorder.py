@@ -17,7 +17,7 @@ API:
 
 Command line (records until Ctrl-C)::
 
-    python -m oxygen_ros.node.bag_recorder [-o BAG_DIR] [--topics /a /b ...] [--exclude REGEX]
+    python -m oxygen_ros.tools.bag_recorder [-o BAG_DIR] [--topics /a /b ...] [--exclude REGEX]
 """
 
 from __future__ import annotations
@@ -318,7 +318,7 @@ class BagRecorder(Node):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m oxygen_ros.node.bag_recorder``: record until Ctrl-C or SIGTERM."""
+    """``python -m oxygen_ros.tools.bag_recorder``: record until Ctrl-C or SIGTERM."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-o", "--output", type=Path, default=None,
                         help="bag directory to create (default runs/<timestamp>/bag)")

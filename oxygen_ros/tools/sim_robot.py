@@ -22,7 +22,7 @@ arms, a red cube on the table). The node behaves like the real robot's drivers:
   (``AlohaScene.resets``, logged); MuJoCo's warnings go to the ROS log, not to ``MUJOCO_LOG.TXT``.
 
 Rendering needs an OpenGL: ``MUJOCO_GL=osmesa`` (set here when unset; ``libosmesa6``, installed by
-``scripts/setup_env.sh``). Command line: ``python -m oxygen_ros.node.sim_robot [--ros-args ...]``.
+``scripts/setup_env.sh``). Command line: ``python -m oxygen_ros.tools.sim_robot [--ros-args ...]``.
 """
 
 from __future__ import annotations
@@ -348,7 +348,7 @@ class SimRobot(Node):
 
 
 def main(args: list[str] | None = None) -> int:
-    """``python -m oxygen_ros.node.sim_robot``: run the simulated robot until Ctrl-C or SIGTERM."""
+    """``python -m oxygen_ros.tools.sim_robot``: run the simulated robot until Ctrl-C or SIGTERM."""
     rclpy.init(args=args)
     robot = SimRobot()
     try:
