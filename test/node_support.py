@@ -252,9 +252,10 @@ class Harness:
         if self.publish_joints:
             self.joints.publish(JointState(name=self.joint_names, position=self.joint_positions))
 
-    def change_state(self, label: str, timeout: float = 30.0) -> bool:
+    def change_state(self, label: str, timeout: float = 120.0) -> bool:
         """Request lifecycle transition ``label`` (configure, activate, deactivate, cleanup, shutdown)
-        through the node's ``change_state`` service, as a lifecycle manager does; True on success."""
+        through the node's ``change_state`` service, as a lifecycle manager does; True on success. ``timeout``
+        [s] only bounds a hang: configure loads the model, which takes long on a loaded machine."""
         from lifecycle_msgs.msg import Transition
         from lifecycle_msgs.srv import ChangeState
 

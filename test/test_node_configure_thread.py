@@ -1,7 +1,9 @@
-"""The ``oxygen_node`` executable answers lifecycle state queries and parameter reads while configure loads
-the model: the normalisation statistics file is a named pipe, so configure blocks in reading it (a file read
-that releases Python's GIL, as a checkpoint load does) until the test opens the pipe's other end, which it does
-only after those services answered with the node in the ``configuring`` state."""
+"""The ``oxygen_node`` executable answers lifecycle state queries, parameter reads and parameter changes while
+configure loads the model: the normalisation statistics file is a named pipe, so configure blocks in reading it
+(a file read that releases Python's GIL, as a checkpoint load does) until the test opens the pipe's other end,
+which it does only after those services answered with the node in the ``configuring`` state. While configuring,
+a configure-time parameter is refused with the reason (the load in progress uses the values read when configure
+began) and a dynamic one is accepted."""
 from __future__ import annotations
 
 import errno
@@ -41,7 +43,8 @@ def _release(pipe, process, timeout: float = 120.0) -> None:
 def test_services_answer_while_configure_loads_the_model(tmp_path):
     import rclpy
     from lifecycle_msgs.srv import GetState
-    from rcl_interfaces.srv import GetParameters
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import GetParameters, ListParameters, SetParameters
     from rclpy.context import Context
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.node import Node
@@ -73,6 +76,20 @@ def test_services_answer_while_configure_loads_the_model(tmp_path):
         assert get_parameters.wait_for_service(timeout_sec=20.0)
         values = _call(executor, get_parameters, GetParameters.Request(names=["preset", "norm_stats_path"])).values
         assert [v.string_value for v in values] == ["pi05_tiny", str(pipe)]
+        names = _call(executor, probe.create_client(ListParameters, f"{namespace}/oxygen_node/list_parameters"),
+                      ListParameters.Request()).result.names
+        assert "preset" in names and "staleness_limit_s" in names
+        set_parameters = probe.create_client(SetParameters, f"{namespace}/oxygen_node/set_parameters")
+        assert set_parameters.wait_for_service(timeout_sec=20.0)
+        device = Parameter(name="device", value=ParameterValue(type=ParameterType.PARAMETER_STRING,
+                                                               string_value="cpu"))
+        staleness = Parameter(name="staleness_limit_s", value=ParameterValue(type=ParameterType.PARAMETER_DOUBLE,
+                                                                             double_value=0.75))
+        refused, accepted = _call(executor, set_parameters, SetParameters.Request(parameters=[device, staleness])).results
+        assert not refused.successful and "configuring" in refused.reason and "device" in refused.reason, refused
+        assert accepted.successful, accepted.reason
+        values = _call(executor, get_parameters, GetParameters.Request(names=["staleness_limit_s"])).values
+        assert values[0].double_value == 0.75
         # Still configuring: configure waits on the pipe.
         assert _call(executor, get_state, GetState.Request()).current_state.label == "configuring"
         _release(pipe, process)      # end of file: not JSON, configure fails

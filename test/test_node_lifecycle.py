@@ -211,6 +211,11 @@ class _RobotSide:
             joints.publish(JointState(name=JOINTS, position=self.positions))
 
         self.node.create_timer(0.1, publish)
+        from oxygen_ros.action import Ask
+        from rclpy.action import ActionClient
+
+        self.Ask = Ask
+        self.asker = ActionClient(self.node, Ask, "oxygen_node/ask")
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
         self.thread = threading.Thread(target=self._spin, daemon=True)
@@ -224,6 +229,19 @@ class _RobotSide:
         except ExternalShutdownException:
             pass
 
+    def ask_until_feedback(self, timeout: float = 120.0):
+        """Send a ``~/ask`` speech goal, request its result at once and wait for its first feedback; returns
+        (result future, feedback list)."""
+        assert self.asker.wait_for_server(timeout_sec=30.0), "no ~/ask server"
+        feedback: list = []
+        sent = self.asker.send_goal_async(self.Ask.Goal(task="speech", instruction="what do you see?"),
+                                          feedback_callback=lambda msg: feedback.append(msg.feedback))
+        assert wait_for(sent.done, 30.0) and sent.result().accepted, "goal not accepted"
+        result = sent.result().get_result_async()
+        assert wait_for(lambda: feedback or result.done(), timeout), "no feedback"
+        assert not result.done(), f"the goal ended before the stop: {result.result()}"
+        return result, feedback
+
     def close(self) -> None:
         self.executor.shutdown(timeout_sec=5.0)
         self.thread.join(timeout=5.0)
@@ -234,10 +252,13 @@ class _RobotSide:
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_signal_mid_utterance_ends_it_and_holds_the_arm(signum, tmp_path):
-    """A signal while an utterance is being decoded: before the process exits (code 0), every utterance
-    that had a partial Speech gets exactly one final Speech (CANCELLED), and the controller gets the
-    on_stop_command hold trajectory (one point: the latest JointState positions of the trajectory joints).
-    The time from the signal to the exit is printed, not asserted."""
+    """A signal while an utterance and an ``~/ask`` goal are being decoded: before the process exits (code 0),
+    every utterance that had a partial Speech gets exactly one final Speech (CANCELLED), the goal its one
+    result (aborted, STATUS_CANCELLED, the text decoded so far), and the controller the on_stop_command hold
+    trajectory (one point: the latest JointState positions of the trajectory joints). The time from the
+    signal to the exit is printed, not asserted."""
+    from action_msgs.msg import GoalStatus
+
     namespace = f"/sigtest_{os.getpid()}_{signum}"
     params = REPO_ROOT / "config" / "pi05_tiny.yaml"
     overrides = ["control_rate_hz:=4.0", "engine.scheduling:=fixed_k", "engine.decode_steps_per_cycle:=2",
@@ -251,6 +272,7 @@ def test_signal_mid_utterance_ends_it_and_holds_the_arm(signum, tmp_path):
         assert wait_for(lambda: any(not s.final for s in list(robot.speech)) or process.poll() is not None,
                         120.0), "no partial Speech"
         assert process.poll() is None, process.stdout.read()
+        result, feedback = robot.ask_until_feedback()
         start = time.monotonic()
         process.send_signal(signum)
         output, _ = process.communicate(timeout=30.0)
@@ -258,6 +280,12 @@ def test_signal_mid_utterance_ends_it_and_holds_the_arm(signum, tmp_path):
         print(f"{signal.Signals(signum).name} mid-utterance: exited in {elapsed:.2f} s with code {process.returncode}")
         assert process.returncode == 0, output
         assert "Traceback" not in output, output
+        assert wait_for(result.done, 10.0), f"no ~/ask result before the exit\n{output}"
+        response = result.result()
+        assert response.status == GoalStatus.STATUS_ABORTED, output
+        assert response.result.status == response.result.STATUS_CANCELLED, response.result
+        assert response.result.text.startswith(feedback[-1].text), (response.result.text, feedback[-1].text)
+        assert response.result.utterance_id == feedback[-1].utterance_id
         time.sleep(0.5)     # anything still in transit on loopback
         speech = list(robot.speech)
         started = {s.utterance_id for s in speech if not s.final}
@@ -303,3 +331,53 @@ def test_deactivate_sends_the_configured_last_command(stop_command):
         assert harness.change_state("cleanup")
     finally:
         harness.close()
+
+
+@pytest.mark.parametrize("transition", ["shutdown", "deactivate"])
+def test_an_open_ask_goal_gets_its_result_on_shutdown_and_deactivate(transition, tmp_path):
+    """``oxygen_node`` (the executable, its own executor) with an ``~/ask`` goal being decoded: a lifecycle
+    shutdown or deactivate ends the goal with exactly one result (aborted, STATUS_CANCELLED, the text so
+    far) and one final Speech for its utterance; after shutdown the process exits with code 0."""
+    from action_msgs.msg import GoalStatus
+    from lifecycle_msgs.msg import Transition
+    from lifecycle_msgs.srv import ChangeState
+
+    namespace = f"/asktest_{os.getpid()}_{transition}"
+    params = REPO_ROOT / "config" / "pi05_tiny.yaml"
+    overrides = ["control_rate_hz:=4.0", "engine.scheduling:=fixed_k", "engine.decode_steps_per_cycle:=1",
+                 "speech.trigger_every_s:=0.0", "speech.max_new_tokens:=60", "memory.enabled:=false"]
+    robot = _RobotSide(namespace)
+    process = subprocess.Popen(
+        [sys.executable, str(EXECUTABLE), "--ros-args", "-r", f"__ns:={namespace}", "--params-file", str(params)]
+        + [arg for override in overrides for arg in ("-p", override)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    try:
+        result, feedback = robot.ask_until_feedback()
+        change_state = robot.node.create_client(ChangeState, "oxygen_node/change_state")
+        assert change_state.wait_for_service(timeout_sec=20.0)
+        answer = change_state.call_async(ChangeState.Request(transition=Transition(label=transition)))
+        assert wait_for(answer.done, 60.0) and answer.result().success, f"{transition} failed"
+        assert wait_for(result.done, 30.0), "no ~/ask result"
+        response = result.result()
+        assert response.status == GoalStatus.STATUS_ABORTED
+        assert response.result.status == response.result.STATUS_CANCELLED, response.result
+        assert response.result.text.startswith(feedback[-1].text)
+        utterance = response.result.utterance_id
+        assert wait_for(lambda: any(s.final and s.utterance_id == utterance for s in list(robot.speech)), 10.0)
+        time.sleep(0.5)     # anything still in transit on loopback
+        finals = [s for s in list(robot.speech) if s.final and s.utterance_id == utterance]
+        assert len(finals) == 1 and finals[0].status == finals[0].STATUS_CANCELLED
+        assert finals[0].text == response.result.text
+        if transition == "shutdown":
+            output, _ = process.communicate(timeout=30.0)
+            assert process.returncode == 0, output
+            assert "Traceback" not in output, output
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=30.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        robot.close()

@@ -128,3 +128,61 @@ def test_diagnostics_recover_after_a_bad_frame_and_tell_the_truth():
         assert h.change_state("cleanup")
     finally:
         h.close()
+
+
+def test_topic_frequency_statuses_follow_each_input():
+    """Over real DDS: one ``<topic> topic status`` per input topic in diagnostic_updater's FrequencyStatus
+    form, every status with the hardware id; the scene camera's turns WARN when it stops (the joint states'
+    stays OK) and OK again when it resumes; the absent optional wrist camera's is OK with a note."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+
+    from node_support import Harness, tiny_parameters, wait_for
+
+    h = Harness(tiny_parameters(autostart=False, status_rate_hz=4.0, control_rate_hz=4.0))
+    try:
+        h.publish_cam1 = False      # the optional wrist camera is absent
+        assert h.change_state("configure") and h.change_state("activate")
+        scene, wrist, joints = (h.topic(t) + " topic status" for t in
+                                ("camera/image_raw", "wrist_camera/image_raw/compressed", "joint_states"))
+
+        def latest(suffix):
+            for array in reversed(list(h.received["diagnostics"])):
+                for status in array.status:
+                    if status.name.endswith(suffix):
+                        return status
+            return None
+
+        def level(suffix):
+            status = latest(suffix)
+            return None if status is None else status.level
+
+        assert wait_for(lambda: level(scene) == DiagnosticStatus.OK and level(joints) == DiagnosticStatus.OK,
+                        30.0), latest(scene)
+        array = list(h.received["diagnostics"])[-1]
+        assert {s.name.rsplit(": ", 1)[-1] for s in array.status} >= {"engine", "inputs", scene.rsplit(": ", 1)[-1]}
+        assert all(s.hardware_id.startswith("pi05_tiny") for s in array.status), \
+            [(s.name, s.hardware_id) for s in array.status]
+        values = {v.key: v.value for v in latest(scene).values}
+        for key in ("Events in window", "Events since startup", "Duration of window (s)", "Actual frequency (Hz)",
+                    "Minimum acceptable frequency (Hz)"):
+            assert key in values, values
+        assert int(values["Events in window"]) > 0
+        assert float(values["Actual frequency (Hz)"]) >= float(values["Minimum acceptable frequency (Hz)"])
+        optional = latest(wrist)
+        assert optional.level == DiagnosticStatus.OK and "optional" in optional.message, optional
+        assert int({v.key: v.value for v in optional.values}["Events in window"]) == 0
+
+        h.publish_cam0 = False      # the scene camera stops
+        assert wait_for(lambda: level(scene) == DiagnosticStatus.WARN, 30.0), latest(scene)
+        assert "too low" in latest(scene).message or "No events" in latest(scene).message
+        assert level(joints) == DiagnosticStatus.OK, latest(joints)
+        h.publish_cam0 = True       # and resumes
+        assert wait_for(lambda: level(scene) == DiagnosticStatus.OK, 30.0), latest(scene)
+        assert latest(scene).message == "Desired frequency met"
+
+        assert h.change_state("deactivate")
+        assert wait_for(lambda: latest(scene).message.startswith("inactive"), 10.0), latest(scene)
+        assert level(scene) == DiagnosticStatus.OK
+        assert h.change_state("cleanup")
+    finally:
+        h.close()

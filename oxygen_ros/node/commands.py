@@ -88,6 +88,7 @@ class Commands:
         self._goals: dict[int, _Goal] = {}
         self._goal_ids: dict[bytes, int] = {}
         self._goals_lock = threading.Lock()
+        self._executing = 0     # goals whose execute callback has not returned its result yet
         group = self.callback_group
         node.create_service(SwitchActions, "~/pause_actions",
                             lambda request, response: self._switch(True, response), callback_group=group)
@@ -172,7 +173,23 @@ class Commands:
             return CancelResponse.REJECT     # already ended: its result is on its way
         return CancelResponse.ACCEPT
 
+    @property
+    def open_goals(self) -> int:
+        """``~/ask`` goals whose execute callback has not yet returned its result to the action server (the
+        ``oxygen_node`` executable spins until none is left before it exits)."""
+        with self._goals_lock:
+            return self._executing
+
     async def _execute(self, goal_handle) -> Ask.Result:
+        with self._goals_lock:
+            self._executing += 1
+        try:
+            return await self._serve(goal_handle)
+        finally:
+            with self._goals_lock:
+                self._executing -= 1
+
+    async def _serve(self, goal_handle) -> Ask.Result:
         goal = goal_handle.request
         engine = self._node.engine
         if goal_handle.is_cancel_requested:

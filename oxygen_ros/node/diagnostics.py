@@ -7,6 +7,13 @@ last status period (inference is compute-bound: wall time is what matters for th
 
 Output and time events (:data:`OUTPUT_EVENTS`, :meth:`StatusTracker.record_event`) are counted since
 activation and per status period; the period's counts set the ``/diagnostics`` level.
+
+Per input topic (each camera, the joint states) :class:`FrequencyStatus` gives one ``/diagnostics`` status
+``<node>: <topic> topic status`` with the conventions of diagnostic_updater's FrequencyStatus (ros/diagnostics):
+the same keys, a window of the last ``window_size`` status periods, the acceptable band widened by
+``tolerance``. diagnostic_updater is not used because no Python distribution of it installs in this
+environment (the ROS Kilted wheels on PyPI have no ``ros-diagnostic-updater``; ``pip download`` finds none),
+and the node must run from its pinned wheels alone; the conventions are implemented here instead.
 """
 
 from __future__ import annotations
@@ -127,6 +134,99 @@ class StatusTracker:
                 events_total=dict(done.events_total))
             self._window_start = now
         return done
+
+
+class FrequencyStatus:
+    """Message rate of one input topic over a sliding window, as diagnostic_updater's FrequencyStatus
+    reports it (keys ``Events in window``, ``Events since startup``, ``Duration of window (s)``, ``Actual
+    frequency (Hz)``, ``Minimum acceptable frequency (Hz)``, ``Maximum acceptable frequency (Hz)``).
+
+    :meth:`tick` counts one message (any thread); :meth:`status` (once per status period) closes a period:
+    the window spans the last ``window_size`` periods (fewer right after :meth:`clear`), measured on the
+    steady clock (``clock``, seconds; a paused ``/clock`` must not stretch or stop the window).
+
+    Levels: OK "Desired frequency met" inside ``[min_hz * (1 - tolerance), max_hz * (1 + tolerance)]``;
+    WARN "Frequency too low." / "Frequency too high." outside it and WARN "No events recorded." when the
+    window saw no message (diagnostic_updater makes the last one ERROR; here the engine status already
+    reports the consequence, skipped cycles, and a stopped camera is a degraded input the node survives).
+    An optional input (``required`` False) without messages is OK with a note (the model masks it).
+
+    Args:
+        window_size: status periods in the window (diagnostic_updater's default 5).
+        tolerance: relative widening of the acceptable band (default 0.1).
+        clock: seconds of a monotonic clock (default :func:`time.monotonic`).
+    """
+
+    def __init__(self, window_size: int = 5, tolerance: float = 0.1, clock=time.monotonic):
+        if window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {window_size}")
+        self._window_size = window_size
+        self._tolerance = tolerance
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._count = 0
+        self._history: list[tuple[float, int]] = []
+        self.clear()
+
+    def clear(self) -> None:
+        """Start a new window (on activation); the count since startup carries on."""
+        with self._lock:
+            self._history = [(self._clock(), self._count)]
+
+    def tick(self) -> None:
+        """Count one message."""
+        with self._lock:
+            self._count += 1
+
+    def status(self, name: str, hardware_id: str, min_hz: float, max_hz: float = float("inf"),
+               required: bool = True) -> DiagnosticStatus:
+        """Close the current period and report the window (see the class docstring).
+
+        Args:
+            name: the status name (``<node>: <topic> topic status``).
+            hardware_id: REP-107's hardware id.
+            min_hz, max_hz: the acceptable frequency before the tolerance [Hz]; 0 / inf: no bound.
+            required: False for an optional input (no message = OK with a note).
+        """
+        now = self._clock()
+        with self._lock:
+            count = self._count
+            start, start_count = self._history[0]
+            self._history.append((now, count))
+            if len(self._history) > self._window_size:
+                self._history.pop(0)
+        events = count - start_count
+        duration = now - start
+        frequency = events / duration if duration > 0 else 0.0
+        low = min_hz * (1.0 - self._tolerance)
+        high = max_hz * (1.0 + self._tolerance)
+        status = DiagnosticStatus(name=name, hardware_id=hardware_id)
+        if events == 0:
+            status.level = DiagnosticStatus.OK if not required else DiagnosticStatus.WARN
+            status.message = "No events recorded." + ("" if required else " (optional input: masked)")
+        elif frequency < low:
+            status.level, status.message = DiagnosticStatus.WARN, "Frequency too low."
+        elif frequency > high:
+            status.level, status.message = DiagnosticStatus.WARN, "Frequency too high."
+        else:
+            status.level, status.message = DiagnosticStatus.OK, "Desired frequency met"
+        values = [("Events in window", str(events)), ("Events since startup", str(count)),
+                  ("Duration of window (s)", f"{duration:.6f}"), ("Actual frequency (Hz)", f"{frequency:.6f}")]
+        if min_hz == max_hz:
+            values.append(("Target frequency (Hz)", f"{min_hz:.6f}"))
+        if min_hz > 0:
+            values.append(("Minimum acceptable frequency (Hz)", f"{low:.6f}"))
+        if high != float("inf"):
+            values.append(("Maximum acceptable frequency (Hz)", f"{high:.6f}"))
+        status.values = [KeyValue(key=key, value=value) for key, value in values]
+        return status
+
+
+def inactive_topic_status(name: str, hardware_id: str, lifecycle_state: str) -> DiagnosticStatus:
+    """A topic status while the node is not active: OK, the state as message (nothing is measured)."""
+    return DiagnosticStatus(name=name, hardware_id=hardware_id, level=DiagnosticStatus.OK,
+                            message=f"{lifecycle_state}: not measured",
+                            values=[KeyValue(key="lifecycle_state", value=lifecycle_state)])
 
 
 def engine_status_msg(w: StatusWindow, stamp: Time, horizon: int, dropped_frames: int, pool_used_bytes: int,

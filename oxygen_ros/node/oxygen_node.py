@@ -15,9 +15,10 @@ With ``autostart`` (default true) the node drives configure → activate itself.
 Threads: subscription callbacks (executor) only convert and store the latest inputs; one control-cycle
 thread runs the engine at ``control_rate_hz`` (wall clock), and publishes the action chunk as soon as it
 is ready, then the speech and memory outputs of the language work done in the cycle's slack. The
-executor never waits for inference. Lifecycle state queries and parameter reads are in a callback group of
-their own, and so are the ask / command services (oxygen_ros/node/commands.py): the ``oxygen_node``
-executable spins a multi-threaded executor, so they answer while configure loads the model.
+executor never waits for inference. Lifecycle state queries and the parameter services (reads and changes) are
+in a callback group of their own, and so are the ask / command services (oxygen_ros/node/commands.py): the
+``oxygen_node`` executable spins a multi-threaded executor, so they answer while configure loads the model (a
+configure-time parameter is then refused with the reason, a dynamic one accepted).
 
 Topics (relative names resolve in the node's namespace; ``~`` is the node's private namespace):
     in   camera_topics[i]          sensor_msgs/Image or CompressedImage, sensor-data QoS (best effort,
@@ -81,7 +82,8 @@ from oxygen_ros.engine import ActionChunk, Engine, RequestStatus
 from oxygen_ros.engine.detokenizer import is_speakable
 from oxygen_ros.node import conversions
 from oxygen_ros.node.commands import Commands
-from oxygen_ros.node.diagnostics import StatusTracker, diagnostic_array, engine_status_msg
+from oxygen_ros.node.diagnostics import (FrequencyStatus, StatusTracker, diagnostic_array, engine_status_msg,
+                                         inactive_topic_status)
 from oxygen_ros.node.image_conversion import ImageConversionError, compressed_to_rgb, image_to_rgb
 from oxygen_ros.node.inputs import DropCounter, Frame, InputError, InputStore, is_zero, stamp_seconds
 from oxygen_ros.node.model_loading import build_engine, warm_up
@@ -99,11 +101,15 @@ _INSTRUCTION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10, reliabi
 _LATCHED_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.RELIABLE,
                           durability=DurabilityPolicy.TRANSIENT_LOCAL)
 _GRAPH_POLL_S = 1.0   # how often the graph is checked for a latched instruction on offer [s]
-# Services that only read state: with a multi-threaded executor they answer while a transition runs (configure
-# loads the model). Transitions, parameter changes, timers and subscriptions stay in the default group, one at a
-# time, as with a single-threaded executor.
+# Lifecycle state queries and the parameter services: with a multi-threaded executor they answer while a
+# transition runs (configure loads the model). Transitions, timers and subscriptions stay in the default group,
+# one at a time, as with a single-threaded executor. A parameter change and configure's reading of the
+# parameters exclude each other through the node's parameter lock (OxygenNode.set_parameters_atomically), so a
+# change is either read by that configure or judged in the state "configuring" (configure-time parameters
+# refused with the reason, dynamic ones accepted).
 _QUERY_SERVICES = ("get_state", "get_available_states", "get_available_transitions", "get_transition_graph",
-                   "describe_parameters", "get_parameters", "get_parameter_types", "list_parameters")
+                   "describe_parameters", "get_parameters", "get_parameter_types", "list_parameters",
+                   "set_parameters", "set_parameters_atomically")
 _OBSERVATIONS_KEPT = 4096   # stamps/instructions of recent observations, for outputs of long language requests
 
 
@@ -146,6 +152,9 @@ class OxygenNode(LifecycleNode):
                 service.callback_group = self._query_group
                 self._query_group.add_entity(service)
         self._lifecycle_state = "unconfigured"
+        # held while a parameter change is judged and stored, and while configure enters "configuring" and
+        # reads the parameters (see _QUERY_SERVICES)
+        self._parameter_lock = threading.RLock()
         self._settings: NodeSettings | None = None
         self._engine: Engine | None = None
         self._inputs: InputStore | None = None
@@ -189,6 +198,8 @@ class OxygenNode(LifecycleNode):
         self._input_counts: dict[str, int] = {}
         self._drops_reported: dict[str, int] = {}
         self._status_published_at = time.perf_counter()
+        # per input topic (cameras by slot, "joint_states"): message frequency, its topic and whether required
+        self._frequencies: dict[str, tuple[FrequencyStatus, str, bool]] = {}
         # Raises InvalidParameterTypeException / InvalidParameterValueException for a value of the wrong
         # type or out of range (overrides, a params file): rclpy checks them at declaration.
         # ~/ask, ~/pause_actions, ~/resume_actions, ~/set_instruction (oxygen_ros/node/commands.py); before
@@ -296,9 +307,10 @@ class OxygenNode(LifecycleNode):
         logged) on any error, including a warm-up action chunk with a non-finite value."""
         start = time.perf_counter()
         engine = None
-        self._lifecycle_state = "configuring"     # configure-time parameters are refused from here on
         try:
-            settings = read_settings(self)
+            with self._parameter_lock:    # no parameter change between the state and the values read
+                self._lifecycle_state = "configuring"     # configure-time parameters are refused from here on
+                settings = read_settings(self)
             engine = build_engine(settings)
             warm_chunks: list[ActionChunk] = []
             warm_s = warm_up(engine, settings, warm_chunks.append)
@@ -358,6 +370,8 @@ class OxygenNode(LifecycleNode):
         self._input_counts = {}
         self._drops_reported = {}
         self._status_published_at = time.perf_counter()
+        for frequency, _, _ in self._frequencies.values():
+            frequency.clear()
         self._stop.clear()
         self._active = True
         self._cycle_thread = threading.Thread(target=self._run_cycles, name="oxygen_control_cycle", daemon=True)
@@ -470,6 +484,7 @@ class OxygenNode(LifecycleNode):
             self.destroy_publisher(self._diagnostics_pub)
         self._owned_timers.clear()
         self._owned_subscriptions.clear()
+        self._frequencies = {}
         self._owned_publishers.clear()
         self._latched_instruction_sub = None
         self._trajectory_pub = None
@@ -543,6 +558,10 @@ class OxygenNode(LifecycleNode):
                              durability=DurabilityPolicy.VOLATILE)
             msg_type = Image if camera.transport == "raw" else CompressedImage
             self._subscribe(msg_type, camera.topic, lambda msg, camera=camera: self._on_image(msg, camera), qos)
+        self._frequencies = {camera.slot: (FrequencyStatus(), self.resolve_topic_name(camera.topic), camera.required)
+                             for camera in settings.cameras}
+        self._frequencies["joint_states"] = (FrequencyStatus(), self.resolve_topic_name(settings.joint_states_topic),
+                                             True)
         self._subscribe(String, settings.instruction_topic, self._on_instruction, _INSTRUCTION_QOS)
         self._subscribe(JointState, settings.joint_states_topic, self._on_joint_state, qos_profile_sensor_data)
         if settings.joint_limits_from_robot_description:
@@ -612,6 +631,7 @@ class OxygenNode(LifecycleNode):
     def _on_image(self, msg, camera: CameraSettings) -> None:
         if not self._active:
             return
+        self._tick(camera.slot)
         try:
             image = image_to_rgb(msg, camera.accept_mono16) if camera.transport == "raw" else compressed_to_rgb(msg)
         except ImageConversionError as error:
@@ -638,6 +658,12 @@ class OxygenNode(LifecycleNode):
         key = f"camera {camera.slot}"
         self._input_counts[key] = self._input_counts.get(key, 0) + 1
 
+    def _tick(self, name: str) -> None:
+        """Count one message of input ``name`` (a camera slot or ``joint_states``) for its topic status."""
+        entry = self._frequencies.get(name)
+        if entry is not None:
+            entry[0].tick()
+
     def _on_incompatible_qos(self, info, direction: str, topic: str,
                              ignored_policy: QoSPolicyKind | None = None) -> None:
         """Count an incompatible-QoS event of a ``subscription`` or ``publisher`` of ``topic``."""
@@ -652,6 +678,19 @@ class OxygenNode(LifecycleNode):
         self._qos_events.drop(f"{direction} {self.resolve_topic_name(topic)}",
                               f"a {other} with incompatible QoS ({name}) cannot connect to this {direction}: "
                               "no messages pass between them (see the QoS column of the README's topic table)")
+
+    def set_parameters(self, parameter_list):
+        """rclpy's :meth:`rclpy.node.Node.set_parameters`, one parameter at a time under the node's parameter
+        lock (see :meth:`set_parameters_atomically`)."""
+        return [self.set_parameters_atomically([parameter]) for parameter in parameter_list]
+
+    def set_parameters_atomically(self, parameter_list):
+        """rclpy's :meth:`rclpy.node.Node.set_parameters_atomically` (what the ``set_parameters`` and
+        ``set_parameters_atomically`` services call) under the node's parameter lock: the change is judged
+        against the lifecycle state and stored before configure can read the parameters, or after configure
+        entered ``configuring`` (configure-time parameters are then refused with the reason)."""
+        with self._parameter_lock:
+            return super().set_parameters_atomically(parameter_list)
 
     def _check_parameter_change(self, parameters) -> SetParametersResult:
         reason = check_dynamic_change(parameters, self._lifecycle_state)
@@ -708,6 +747,7 @@ class OxygenNode(LifecycleNode):
     def _on_joint_state(self, msg: JointState) -> None:
         if not self._active:
             return
+        self._tick("joint_states")
         try:
             state = self._inputs.map_joint_state(msg.name, msg.position)
         except InputError as error:
@@ -945,7 +985,22 @@ class OxygenNode(LifecycleNode):
         self._qos_reported = qos_total
         diagnostics.status[0].values.append(KeyValue(key="speech_text_withheld",
                                                      value=str(self._speech_text_withheld)))
+        diagnostics.status.extend(self._topic_statuses(settings))
         self._diagnostics_pub.publish(diagnostics)
+
+
+    def _topic_statuses(self, settings: NodeSettings) -> list:
+        """One ``<node>: <topic> topic status`` per input topic (diagnostics.py's FrequencyStatus). The
+        acceptable minimum is 1 / ``staleness_limit_s``: an input slower than that leaves cycles without a
+        fresh one (skipped); there is no maximum (a faster input only replaces the stored one sooner)."""
+        node_name = self.get_fully_qualified_name()
+        statuses = []
+        min_hz = 1.0 / self.get_parameter("staleness_limit_s").value
+        for frequency, topic, required in self._frequencies.values():
+            name = f"{node_name}: {topic} topic status"
+            statuses.append(frequency.status(name, settings.model_id, min_hz, required=required) if self._active
+                            else inactive_topic_status(name, settings.model_id, self._lifecycle_state))
+        return statuses
 
 
 def _error_line(error: BaseException) -> str:
@@ -1005,8 +1060,8 @@ def _spin(node: OxygenNode, received: list[int]) -> int:
     end cleanly (see :func:`main`)."""
     import signal
 
-    # Three threads: the default group (transitions, parameter changes, timers, subscriptions), the query
-    # services (lifecycle state, parameter reads) and the ask / command interface, so that these answer while
+    # Three threads: the default group (transitions, timers, subscriptions), the query services (lifecycle
+    # state, parameter reads and changes) and the ask / command interface, so that these answer while
     # configure loads the model. Inference runs on the node's own control-cycle thread.
     executor = MultiThreadedExecutor(num_threads=3)
     executor.add_node(node)
@@ -1025,9 +1080,16 @@ def _spin(node: OxygenNode, received: list[int]) -> int:
     if received:
         logger.info(f"{signal.Signals(received[0]).name}: stopping")
     try:
-        # the executor's threads first: no transition or timer runs while the node stops acting
+        acted = False
+        if rclpy.ok(context=node.context):
+            # The node stops acting on the executor, in the default callback group (never concurrently with
+            # a transition or the status timer), and the executor keeps spinning until every ~/ask goal has
+            # handed its result to the action server, so each open goal gets its result before the exit.
+            acted = _stop_on_executor(executor, node, logger)
+            _drain_goals(executor, node, logger)
+        # then the executor's threads: nothing runs on them during the teardown
         executor.shutdown(timeout_sec=5.0)
-        if node.stop_acting():
+        if node.stop_acting() or acted:    # a no-op when the executor already stopped it
             node.wait_for_final_messages(0.5)
         stopped = time.monotonic()
         node.release()
@@ -1038,6 +1100,57 @@ def _spin(node: OxygenNode, received: list[int]) -> int:
     finally:
         rclpy.try_shutdown()
     return status
+
+
+_STOP_WAIT_S = 10.0      # longest wait for a transition in progress (a model load) before stopping anyway [s]
+_GOALS_WAIT_S = 1.0      # longest wait for ~/ask goals to hand over their results [s]
+_RESULTS_SEND_S = 0.2    # spinning after the last goal's result, for the action server to send it [s]
+
+
+def _stop_on_executor(executor, node: OxygenNode, logger) -> bool:
+    """Run :meth:`OxygenNode.stop_acting` as a callback of the node's default group (after any transition in
+    progress; at most :data:`_STOP_WAIT_S`) and spin ``executor`` until it returned; whether the node was
+    active. On the steady clock, so a paused ``/clock`` does not hold it."""
+    done = threading.Event()
+    acted: list[bool] = []
+
+    def stop() -> None:
+        timer.cancel()
+        if done.is_set():
+            return
+        try:
+            acted.append(node.stop_acting())
+        finally:
+            done.set()
+
+    timer = node.create_timer(0.0, stop, clock=Clock(clock_type=ClockType.STEADY_TIME))
+    deadline = time.monotonic() + _STOP_WAIT_S
+    try:
+        while not done.is_set() and time.monotonic() < deadline and rclpy.ok(context=node.context):
+            executor.spin_once(timeout_sec=0.05)
+    finally:
+        timer.cancel()
+    if not done.is_set():
+        logger.warning(f"stopping: the transition in progress did not end within {_STOP_WAIT_S:g} s")
+    return bool(acted and acted[0])
+
+
+def _drain_goals(executor, node: OxygenNode, logger) -> None:
+    """End the ``~/ask`` goals still open (their final events, if any, come first) and spin ``executor`` until
+    each has handed its result to the action server, then a little longer for the server to send them."""
+    commands = node.commands
+    if not commands.open_goals:
+        return
+    commands.end_goals("the node is stopping (signal or shutdown)")
+    deadline = time.monotonic() + _GOALS_WAIT_S
+    while commands.open_goals and time.monotonic() < deadline and rclpy.ok(context=node.context):
+        executor.spin_once(timeout_sec=0.02)
+    if commands.open_goals:
+        logger.warning(f"stopping: {commands.open_goals} ~/ask goals without a result after {_GOALS_WAIT_S:g} s")
+        return
+    deadline = time.monotonic() + _RESULTS_SEND_S
+    while time.monotonic() < deadline and rclpy.ok(context=node.context):
+        executor.spin_once(timeout_sec=0.02)
 
 
 if __name__ == "__main__":    # python -m oxygen_ros.node.oxygen_node --ros-args ...

@@ -438,6 +438,10 @@ def check_dynamic_change(parameters: list[Parameter], lifecycle_state: str = "un
     ``add_on_set_parameters_callback``): a :data:`CONFIGURE_TIME` parameter while the node is configured
     (inactive or active), or a :data:`DYNAMIC_CHOICES` value outside its set."""
     for parameter in parameters:
+        if parameter.name in CONFIGURE_TIME and lifecycle_state == "configuring":
+            return (f"parameter {parameter.name} is read at configure and the node is configuring (the model is "
+                    "loading with the values read when configure began): once configure has ended, cleanup, set "
+                    "it, then configure again")
         if parameter.name in CONFIGURE_TIME and lifecycle_state not in ("unconfigured", "finalized"):
             return (f"parameter {parameter.name} is read at configure and the node is {lifecycle_state}: "
                     "deactivate and cleanup, set it, then configure again (the running engine keeps the value "
