@@ -352,6 +352,10 @@ def test_an_open_ask_goal_gets_its_result_on_shutdown_and_deactivate(transition,
         + [arg for override in overrides for arg in ("-p", override)],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     try:
+        # active: the latched instruction's utterance is being decoded
+        assert wait_for(lambda: any(not s.final for s in list(robot.speech)) or process.poll() is not None,
+                        120.0), "no partial Speech"
+        assert process.poll() is None, process.stdout.read()
         result, feedback = robot.ask_until_feedback()
         change_state = robot.node.create_client(ChangeState, "oxygen_node/change_state")
         assert change_state.wait_for_service(timeout_sec=20.0)

@@ -1085,8 +1085,9 @@ def _spin(node: OxygenNode, received: list[int]) -> int:
             # The node stops acting on the executor, in the default callback group (never concurrently with
             # a transition or the status timer), and the executor keeps spinning until every ~/ask goal has
             # handed its result to the action server, so each open goal gets its result before the exit.
+            goals = node.commands.open_goals
             acted = _stop_on_executor(executor, node, logger)
-            _drain_goals(executor, node, logger)
+            _drain_goals(executor, node, logger, goals)
         # then the executor's threads: nothing runs on them during the teardown
         executor.shutdown(timeout_sec=5.0)
         if node.stop_acting() or acted:    # a no-op when the executor already stopped it
@@ -1135,11 +1136,12 @@ def _stop_on_executor(executor, node: OxygenNode, logger) -> bool:
     return bool(acted and acted[0])
 
 
-def _drain_goals(executor, node: OxygenNode, logger) -> None:
+def _drain_goals(executor, node: OxygenNode, logger, goals: int) -> None:
     """End the ``~/ask`` goals still open (their final events, if any, come first) and spin ``executor`` until
-    each has handed its result to the action server, then a little longer for the server to send them."""
+    each has handed its result to the action server, then a little longer for the server to send them
+    (``goals``: the goals open when the node began to stop; nothing to do when none was and none is)."""
     commands = node.commands
-    if not commands.open_goals:
+    if not goals and not commands.open_goals:
         return
     commands.end_goals("the node is stopping (signal or shutdown)")
     deadline = time.monotonic() + _GOALS_WAIT_S
