@@ -14,8 +14,9 @@
 Threads: the services and the action server's callbacks run on the executor and do no inference. A goal's
 execute callback is a coroutine that waits on an rclpy ``Future`` which the control-cycle thread completes
 when the engine produced text for that goal's request (:meth:`Commands.on_language`), so an executor — single-
-or multi-threaded — is never blocked by a goal. The services live in their own callback group, so with a
-multi-threaded executor they answer while a lifecycle transition (e.g. configure's model load) runs.
+or multi-threaded — is never blocked by a goal. The services live in their own callback group, so with the
+``oxygen_node`` executable's executor (transitions on a worker thread, oxygen_ros/node/executor.py) or a
+multi-threaded one they answer while a lifecycle transition (e.g. configure's model load) runs.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ thread runs the engine at ``control_rate_hz`` (wall clock), and publishes the ac
 is ready, then the speech and memory outputs of the language work done in the cycle's slack. The
 executor never waits for inference. Lifecycle state queries and the parameter services (reads and changes) are
 in a callback group of their own, and so are the ask / command services (oxygen_ros/node/commands.py): the
-``oxygen_node`` executable spins a multi-threaded executor, so they answer while configure loads the model (a
-configure-time parameter is then refused with the reason, a dynamic one accepted).
+``oxygen_node`` executable runs lifecycle transitions on a worker thread and every other callback on its
+spinning thread (oxygen_ros/node/executor.py), so they answer while configure loads the model (a configure-time
+parameter is then refused with the reason, a dynamic one accepted).
 
 Topics (relative names resolve in the node's namespace; ``~`` is the node's private namespace):
     in   camera_topics[i]          sensor_msgs/Image or CompressedImage, sensor-data QoS (best effort,
@@ -70,7 +71,7 @@ from rclpy.clock import Clock, ClockType
 from rclpy.event_handler import PublisherEventCallbacks, SubscriptionEventCallbacks
 from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import ExternalShutdownException
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSPolicyKind, QoSProfile, ReliabilityPolicy,
                        qos_profile_sensor_data)
@@ -84,6 +85,7 @@ from oxygen_ros.node import conversions
 from oxygen_ros.node.commands import Commands
 from oxygen_ros.node.diagnostics import (FrequencyStatus, StatusTracker, diagnostic_array, engine_status_msg,
                                          inactive_topic_status)
+from oxygen_ros.node.executor import TransitionExecutor
 from oxygen_ros.node.image_conversion import ImageConversionError, compressed_to_rgb, image_to_rgb
 from oxygen_ros.node.inputs import DropCounter, Frame, InputError, InputStore, is_zero, stamp_seconds
 from oxygen_ros.node.model_loading import build_engine, warm_up
@@ -101,8 +103,9 @@ _INSTRUCTION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10, reliabi
 _LATCHED_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.RELIABLE,
                           durability=DurabilityPolicy.TRANSIENT_LOCAL)
 _GRAPH_POLL_S = 1.0   # how often the graph is checked for a latched instruction on offer [s]
-# Lifecycle state queries and the parameter services: with a multi-threaded executor they answer while a
-# transition runs (configure loads the model). Transitions, timers and subscriptions stay in the default group,
+# Lifecycle state queries and the parameter services: with the executable's executor (transitions on a worker
+# thread, oxygen_ros/node/executor.py) or a multi-threaded one they answer while a transition runs (configure
+# loads the model). Transitions, timers and subscriptions stay in the default group,
 # one at a time, as with a single-threaded executor. A parameter change and configure's reading of the
 # parameters exclude each other through the node's parameter lock (OxygenNode.set_parameters_atomically), so a
 # change is either read by that configure or judged in the state "configuring" (configure-time parameters
@@ -292,6 +295,15 @@ class OxygenNode(LifecycleNode):
         """``configure`` or ``activate`` when autostart's transition failed (the node stays usable, e.g. by
         a lifecycle manager; the ``oxygen_node`` executable exits non-zero), else None."""
         return self._autostart_failed
+
+    def runs_long(self, entity) -> bool:
+        """Whether ``entity``'s callback may run long: the ``change_state`` service and the autostart timer
+        (lifecycle transitions: configure loads the model). The ``oxygen_node`` executable runs these on a
+        worker thread (oxygen_ros/node/executor.py)."""
+        if entity is getattr(self, "_autostart_timer", None):
+            return True
+        name = getattr(entity, "srv_name", None)
+        return name is not None and name.rsplit("/", 1)[-1] == "change_state" and entity in self.services
 
     def _autostart(self) -> None:
         self.destroy_timer(self._autostart_timer)
@@ -1060,10 +1072,11 @@ def _spin(node: OxygenNode, received: list[int]) -> int:
     end cleanly (see :func:`main`)."""
     import signal
 
-    # Three threads: the default group (transitions, timers, subscriptions), the query services (lifecycle
-    # state, parameter reads and changes) and the ask / command interface, so that these answer while
-    # configure loads the model. Inference runs on the node's own control-cycle thread.
-    executor = MultiThreadedExecutor(num_threads=3)
+    # Callbacks inline on this thread, lifecycle transitions on a worker thread (oxygen_ros/node/executor.py:
+    # a multi-threaded executor cost inference rate), so that the query services (lifecycle state, parameter
+    # reads and changes) and the ask / command interface answer while configure loads the model. Inference runs
+    # on the node's own control-cycle thread.
+    executor = TransitionExecutor(node.runs_long, context=node.context)
     executor.add_node(node)
     status = 0
     logger = node.get_logger()
