@@ -186,3 +186,80 @@ def test_topic_frequency_statuses_follow_each_input():
         assert h.change_state("cleanup")
     finally:
         h.close()
+
+
+def test_dropped_frames_count_camera_frames_only():
+    """Over real DDS: a bad joint state and an empty instruction are counted in ~/status as
+    dropped_joint_states and dropped_instructions, not as dropped_frames; a bad camera frame is."""
+    from sensor_msgs.msg import JointState
+    from std_msgs.msg import String
+
+    from node_support import JOINTS, Harness, publish_until, raw_image, tiny_parameters, wait_for
+
+    h = Harness(tiny_parameters(status_rate_hz=4.0, control_rate_hz=4.0))
+    try:
+        assert wait_for(lambda: h.node.lifecycle_state == "active", 120.0)
+        assert h.chunks_flow(timeout=60.0)
+        assert publish_until(lambda: h.joints.publish(JointState(name=JOINTS, position=[float("nan")] * 7)),
+                             lambda: h.node.dropped_by_input()["joint_states"] >= 1)
+        h.instruction.publish(String(data="   "))
+        assert wait_for(lambda: h.node.dropped_by_input()["instructions"] >= 1, 20.0)
+
+        def status_with(condition):
+            return wait_for(lambda: any(condition(s) for s in list(h.received["status"])), 20.0)
+
+        assert status_with(lambda s: s.dropped_joint_states >= 1 and s.dropped_instructions >= 1
+                           and s.dropped_frames == 0), list(h.received["status"])[-1]
+        assert publish_until(lambda: h.cam0.publish(raw_image(step=10)),
+                             lambda: h.node.dropped_by_input()["frames"] >= 1)
+        assert status_with(lambda s: s.dropped_frames >= 1 and s.dropped_joint_states >= 1
+                           and s.dropped_instructions >= 1), list(h.received["status"])[-1]
+        latest = list(h.received["status"])[-1]
+        assert latest.dropped_frames <= sum(h.node.input_drops().values()) - 2
+    finally:
+        h.close()
+
+
+def test_frequency_status_follows_the_diagnostic_updater_conventions():
+    """FrequencyStatus on a hand-driven clock: the window is the last ``window_size`` periods, the band is
+    widened by the tolerance, the keys are diagnostic_updater's."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+
+    from oxygen_ros.node.diagnostics import FrequencyStatus
+
+    now = [0.0]
+    frequency = FrequencyStatus(window_size=5, tolerance=0.1, clock=lambda: now[0])
+
+    def period(ticks: int, **bounds):
+        for _ in range(ticks):
+            frequency.tick()
+        now[0] += 1.0
+        status = frequency.status("node: /camera topic status", "hw", **bounds)
+        return status, {v.key: v.value for v in status.values}
+
+    for _ in range(5):
+        status, values = period(10, min_hz=8.0)
+    assert status.level == DiagnosticStatus.OK and status.message == "Desired frequency met"
+    assert status.name == "node: /camera topic status" and status.hardware_id == "hw"
+    assert int(values["Events in window"]) == 50 and int(values["Events since startup"]) == 50
+    assert float(values["Duration of window (s)"]) == 5.0 and float(values["Actual frequency (Hz)"]) == 10.0
+    assert float(values["Minimum acceptable frequency (Hz)"]) == 7.2
+    assert "Maximum acceptable frequency (Hz)" not in values and "Target frequency (Hz)" not in values
+    for _ in range(2):      # 10, 10, 10, 1, 1 events in the last five periods: 6.4 Hz < 7.2 Hz
+        status, values = period(1, min_hz=8.0)
+    assert status.level == DiagnosticStatus.WARN and status.message == "Frequency too low."
+    for _ in range(5):
+        status, values = period(0, min_hz=8.0)
+    assert status.level == DiagnosticStatus.WARN and status.message == "No events recorded."
+    status, values = period(0, min_hz=8.0, required=False)
+    assert status.level == DiagnosticStatus.OK and "optional" in status.message
+    for _ in range(5):
+        status, values = period(3, min_hz=2.0, max_hz=2.0)
+    assert status.level == DiagnosticStatus.WARN and status.message == "Frequency too high."
+    assert float(values["Target frequency (Hz)"]) == 2.0
+    assert float(values["Maximum acceptable frequency (Hz)"]) == 2.2
+    frequency.clear()       # a new window (activation): the count since startup carries on
+    status, values = period(8, min_hz=8.0)
+    assert status.level == DiagnosticStatus.OK and int(values["Events in window"]) == 8
+    assert float(values["Duration of window (s)"]) == 1.0
+    assert int(values["Events since startup"]) == 50 + 2 + 15 + 8

@@ -113,3 +113,44 @@ def _colcon_test_runs_the_registered_tests(workspace, source, env):
     assert match, summary.stdout
     tests, errors, failures, _ = map(int, match.groups())
     assert tests >= 5 and errors == 0 and failures == 0, summary.stdout
+
+
+# Python import name -> rosdep key, for the non-ROS imports that have one
+_ROSDEP_KEYS = {"numpy": "python3-numpy", "yaml": "python3-yaml", "cv2": "python3-opencv",
+                "matplotlib": "python3-matplotlib", "pytest": "python3-pytest", "PIL": "python3-pil"}
+# Python import name -> pip distribution, for the pip-only ones
+_PIP_NAMES = {"gym_aloha": "gym-aloha", "mcap_ros2": "mcap"}
+
+
+def test_package_xml_declares_every_import():
+    """Every module that the package's Python code (oxygen_ros/, launch/) imports is declared in package.xml:
+    a ROS package by its name, a Python library by its rosdep key, or named in the comment listing the
+    pip-only dependencies. The standard library and oxygen_ros itself are exempt."""
+    import ast
+    import re
+    import xml.etree.ElementTree as ElementTree
+
+    text = (REPO_ROOT / "package.xml").read_text()
+    root = ElementTree.fromstring(text)
+    declared = {element.text.strip() for tag in ("depend", "exec_depend", "build_depend", "buildtool_depend",
+                                                 "test_depend") for element in root.iter(tag)}
+    pip_only = " ".join(re.findall(r"pip-only(.*?)-->", text, flags=re.S))
+    missing = {}
+    for path in sorted(list((REPO_ROOT / "oxygen_ros").rglob("*.py")) + list((REPO_ROOT / "launch").glob("*.py"))):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top in ("oxygen_ros", "__future__"):
+                    continue
+                if top in declared or _ROSDEP_KEYS.get(top) in declared:
+                    continue
+                if re.search(rf"\b{re.escape(_PIP_NAMES.get(top, top))}\b", pip_only):
+                    continue
+                missing.setdefault(top, path.relative_to(REPO_ROOT).as_posix())
+    assert not missing, f"imports not declared in package.xml (module: first file): {missing}"

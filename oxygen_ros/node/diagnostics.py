@@ -231,13 +231,16 @@ def inactive_topic_status(name: str, hardware_id: str, lifecycle_state: str) -> 
 
 def engine_status_msg(w: StatusWindow, stamp: Time, horizon: int, dropped_frames: int, pool_used_bytes: int,
                       pool_capacity_bytes: int, camera_clock_offset: float | None = None,
-                      incompatible_qos: int = 0) -> EngineStatus:
+                      incompatible_qos: int = 0, dropped_joint_states: int = 0,
+                      dropped_instructions: int = 0) -> EngineStatus:
     """``oxygen_ros/EngineStatus`` of one status window (see msg/EngineStatus.msg for units).
 
     Args:
         camera_clock_offset: node clock minus header stamp at receipt, largest over the cameras [s];
             None (sent as 0) when no camera has sent a non-zero stamp.
         incompatible_qos: incompatible-QoS events on the node's endpoints since configure.
+        dropped_frames, dropped_joint_states, dropped_instructions: drops since activation per input kind
+            (camera frames only in ``dropped_frames``).
     """
     msg = EngineStatus()
     msg.header.stamp = stamp
@@ -252,6 +255,8 @@ def engine_status_msg(w: StatusWindow, stamp: Time, horizon: int, dropped_frames
     msg.overloaded = w.overloaded > 0
     msg.overloaded_cycles = w.overloaded_total
     msg.dropped_frames = dropped_frames
+    msg.dropped_joint_states = dropped_joint_states
+    msg.dropped_instructions = dropped_instructions
     msg.dropped_requests = w.dropped_requests_total
     msg.active_language_requests = w.active_requests
     msg.waiting_language_requests = w.waiting_requests

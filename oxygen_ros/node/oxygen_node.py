@@ -162,6 +162,9 @@ class OxygenNode(LifecycleNode):
         self._engine: Engine | None = None
         self._inputs: InputStore | None = None
         self._drops = DropCounter(self.get_logger().warning)
+        # drops since activation per input kind (EngineStatus dropped_frames / _joint_states / _instructions)
+        self._dropped_by_input = {"frames": 0, "joint_states": 0, "instructions": 0}
+        self._dropped_lock = threading.Lock()
         self._skips = DropCounter(self.get_logger().warning, what="skipped cycle")
         self._status = StatusTracker()
         # ROS entities made by configure, destroyed by cleanup
@@ -229,6 +232,18 @@ class OxygenNode(LifecycleNode):
     def engine(self) -> Engine | None:
         """The engine while configured (tests read its pool occupancy), else None."""
         return self._engine
+
+    def dropped_by_input(self) -> dict[str, int]:
+        """Inputs dropped since activation per kind: ``frames`` (camera frames only), ``joint_states``,
+        ``instructions`` (as in ~/status)."""
+        with self._dropped_lock:
+            return dict(self._dropped_by_input)
+
+    def _drop_input(self, kind: str, reason: str, message: str) -> None:
+        """Count and log one dropped input of ``kind`` (a key of :meth:`dropped_by_input`) for ``reason``."""
+        with self._dropped_lock:
+            self._dropped_by_input[kind] += 1
+        self._drops.drop(reason, message)
 
     def input_drops(self) -> dict[str, int]:
         """Dropped inputs by reason since activation (``unsupported_encoding``, ``joint_state_nan`` ...)."""
@@ -369,6 +384,8 @@ class OxygenNode(LifecycleNode):
             return result
         self._inputs.clear()
         self._drops.reset()
+        with self._dropped_lock:
+            self._dropped_by_input = dict.fromkeys(self._dropped_by_input, 0)
         self._skips.reset()
         self._speech_text_withheld = 0
         self._withheld.reset()
@@ -647,11 +664,11 @@ class OxygenNode(LifecycleNode):
         try:
             image = image_to_rgb(msg, camera.accept_mono16) if camera.transport == "raw" else compressed_to_rgb(msg)
         except ImageConversionError as error:
-            self._drops.drop(error.reason, f"{camera.topic}: {error}")
+            self._drop_input("frames", error.reason, f"{camera.topic}: {error}")
             return
         now_msg, now_s = self._now()
         if not clock_started(now_s):
-            self._drops.drop("clock_not_started", f"{camera.topic}: frame received before the node clock "
+            self._drop_input("frames", "clock_not_started", f"{camera.topic}: frame received before the node clock "
                              "started (use_sim_time and no /clock yet): its age cannot be measured")
             return
         if is_zero(msg.header.stamp):
@@ -744,10 +761,10 @@ class OxygenNode(LifecycleNode):
         limit = self.get_parameter("max_instruction_chars").value
         if len(text) > limit:
             reason = f"instruction of {len(text)} characters exceeds max_instruction_chars {limit}"
-            self._drops.drop("instruction_too_long", f"{reason}; keeping {inputs.instruction!r}")
+            self._drop_input("instructions", "instruction_too_long", f"{reason}; keeping {inputs.instruction!r}")
             return False, reason
         if not text.strip():
-            self._drops.drop("instruction_empty", "empty instruction ignored")
+            self._drop_input("instructions", "instruction_empty", "empty instruction ignored")
             return False, "empty instruction ignored"
         if not inputs.store_instruction(text):
             return True, "instruction unchanged"
@@ -763,12 +780,12 @@ class OxygenNode(LifecycleNode):
         try:
             state = self._inputs.map_joint_state(msg.name, msg.position)
         except InputError as error:
-            self._drops.drop(error.reason, f"{self._settings.joint_states_topic}: {error}")
+            self._drop_input("joint_states", error.reason, f"{self._settings.joint_states_topic}: {error}")
             return
         now_s = self._now()[1]
         if not clock_started(now_s):
-            self._drops.drop("clock_not_started", f"{self._settings.joint_states_topic}: joint state received "
-                             "before the node clock started (use_sim_time and no /clock yet)")
+            self._drop_input("joint_states", "clock_not_started", f"{self._settings.joint_states_topic}: joint state "
+                             "received before the node clock started (use_sim_time and no /clock yet)")
             return
         self._inputs.store_joint_state(state, now_s)
         self._input_counts["joint_states"] = self._input_counts.get("joint_states", 0) + 1
@@ -971,9 +988,12 @@ class OxygenNode(LifecycleNode):
         if self._active:
             window = self._status.window()
             pool = engine.pool
-            status = engine_status_msg(window, now_msg, engine.metrics_records.action_horizon, self._drops.total(),
+            dropped = self.dropped_by_input()
+            status = engine_status_msg(window, now_msg, engine.metrics_records.action_horizon, dropped["frames"],
                                        pool.used_bytes, pool.num_blocks * pool.bytes_per_block,
-                                       self._stamps.largest_offset(), qos_total)
+                                       self._stamps.largest_offset(), qos_total,
+                                       dropped_joint_states=dropped["joint_states"],
+                                       dropped_instructions=dropped["instructions"])
             self._status_pub.publish(status)
         # the period's figures: inputs received per second and drops since the previous publication
         wall = time.perf_counter()
