@@ -1,13 +1,14 @@
 """The ``oxygen_node`` executable's executor: single-threaded, except that lifecycle transitions run on a
 worker thread of their own.
 
-Why not rclpy's MultiThreadedExecutor: measured side by side on this project's 2-core machine (two
-``oxygen_node`` processes with the tiny config at ``control_rate_hz`` 20, fed the same 30 Hz camera and joint
-states), the one spun by a 3-thread MultiThreadedExecutor delivered 4.5-4.8 chunks/s against 6.2-7.3 for a
-single-threaded one: every message callback hops to a pool thread, and those threads compete for Python's GIL
-with the control-cycle thread that runs inference. Why not a single-threaded executor: configure loads the
-model inside the ``change_state`` service callback, and nothing else (lifecycle state queries, parameter
-services, the ask / command interface) would be answered until it returned.
+Why not rclpy's MultiThreadedExecutor: measured side by side on this project's 2-core machine (load average
+11-14; two ``oxygen_node`` processes with the tiny config at ``control_rate_hz`` 20, fed the same 30 Hz camera
+and joint states, chunks counted over 60 s), the one spun by a 3-thread MultiThreadedExecutor delivered 4.4-4.8
+chunks/s against 6.2-7.3 for a single-threaded executor, and 4.4 against 5.5 for this one, which matched the
+single-threaded executor (6.35 against 6.45): every message callback hops to a pool thread, and those threads
+compete for Python's GIL with the control-cycle thread that runs inference. Why not a single-threaded executor:
+configure loads the model inside the ``change_state`` service callback, and nothing else (lifecycle state
+queries, parameter services, the ask / command interface) would be answered until it returned.
 
 So every callback runs inline on the spinning thread, as with :class:`rclpy.executors.SingleThreadedExecutor`,
 except those the node names as long (``offloaded``: its ``change_state`` service and the autostart timer),

@@ -1046,10 +1046,12 @@ def _error_line(error: BaseException) -> str:
 def main(args=None) -> int:
     """Run ``oxygen_node`` until SIGINT / SIGTERM or a lifecycle shutdown; returns the exit code.
 
-    On SIGINT / SIGTERM the node stops acting while the context is still up (the control cycle in
-    progress finishes, every language request in flight gets its final CANCELLED Speech, the controller
-    its last command, ``on_stop_command``), waits up to 0.5 s for reliable subscribers to acknowledge
-    those, then tears down; the time from the signal to the end of teardown is logged. A second signal
+    On SIGINT / SIGTERM the node stops acting while the context is still up, on the executor after any
+    transition in progress (the control cycle in progress finishes, every language request in flight gets
+    its final CANCELLED Speech, the controller its last command, ``on_stop_command``); the executor spins
+    until every open ``~/ask`` goal has its result (aborted, STATUS_CANCELLED, the text so far; also after a
+    lifecycle shutdown), the node waits up to 0.5 s for reliable subscribers to acknowledge the messages,
+    then tears down; the time from the signal to the end of teardown is logged. A second signal
     during the teardown is ignored (``ros2 launch`` escalates SIGINT to SIGTERM).
 
     Exit codes: 0 after a signal or a lifecycle shutdown; 1 when autostart's configure or activate failed
