@@ -2,7 +2,7 @@
 
 A node is a prefilled prefix: its key path names what was prefilled (the observation and the camera
 mask, then the prompt's token ids) and its :class:`KVSequence` holds the KV of the whole path. Which
-parts are separate nodes follows the model's masks (pi05-facts.md, "Masks and positions"):
+parts are separate nodes follows the model's masks (docs/models.md, "Masks and positions"):
 
 * ``prompt_mask == 'bidirectional'`` (openpi / LeRobot π0.5): images attend to the prompt, so the
   image KV depends on the prompt; the key path is one node ``(observation, prompt)``. Tasks with the

@@ -1,6 +1,6 @@
 """Building models from presets; loading and saving checkpoints from / to local directories only.
 
-Layouts read (pi05-facts.md, "Checkpoint layouts to load"), detected per key:
+Layouts read (docs/models.md, "Checkpoint layouts"), detected per key:
 
 * openpi PyTorch ``model.safetensors``: ``paligemma_with_expert.paligemma.model.{vision_tower.vision_model,
   multi_modal_projector.linear, language_model}.*``, ``paligemma_with_expert.paligemma.lm_head.weight``

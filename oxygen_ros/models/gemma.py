@@ -1,6 +1,6 @@
 """Gemma building blocks for the Mixture-of-Transformers VLA: RMSNorm, adaRMSNorm, RoPE, attention.
 
-Formulas (pi05-facts.md; Gemma and openpi reference implementations):
+Formulas (docs/models.md, "Gemma formulas"; Gemma and openpi reference implementations):
 
 * RMSNorm, computed in fp32: ``y = x · rsqrt(mean(x²) + eps) · (1 + w)``.
 * adaRMSNorm (π0.5 action expert): a Dense ``cond → 3·width`` gives ``scale, shift, gate`` (that order);

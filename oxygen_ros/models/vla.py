@@ -444,7 +444,7 @@ class VLAModel(nn.Module):
         """Flow-matching action chunk from a cached prefix (never writes ``kv``).
 
         Euler from t = 1 to 0, ``x ← x + dt · v(x, t)`` with ``dt = -1/S`` for a fixed ``S`` steps
-        (pi05-facts.md). Action tokens sit at positions ``cached_lens + [0..H-1]`` (π0: the state
+        (docs/models.md, "Flow matching"). Action tokens sit at positions ``cached_lens + [0..H-1]`` (π0: the state
         token at ``cached_lens``, actions after it) and attend to every valid prefix token and to each
         other. The prefix K/V of all layers is read once, before the loop. With
         :meth:`enable_cuda_graphs` on a CUDA device the loop is replayed from a CUDA graph.

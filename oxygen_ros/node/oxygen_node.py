@@ -706,7 +706,7 @@ class OxygenNode(LifecycleNode):
         name = f"policy id {info.last_policy_kind}" if policy is None else policy.name
         self._qos_events.drop(f"{direction} {self.resolve_topic_name(topic)}",
                               f"a {other} with incompatible QoS ({name}) cannot connect to this {direction}: "
-                              "no messages pass between them (see the QoS column of the README's topic table)")
+                              "no messages pass between them (see the QoS column of the topic table in docs/node.md)")
 
     def set_parameters(self, parameter_list):
         """rclpy's :meth:`rclpy.node.Node.set_parameters`, one parameter at a time under the node's parameter

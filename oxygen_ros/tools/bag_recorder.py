@@ -1,7 +1,7 @@
 """Record ROS 2 topics to a rosbag2 (MCAP by default) with `rosbags`, where rosbag2 is not installed.
 
 On a robot with a full ROS 2 install, ``ros2 bag record`` does the same job; this recorder exists so the
-demo and the tests can record on machines that only have rclpy (see ``README.md``). Messages are taken
+demo and the tests can record on machines that only have rclpy (see ``docs/node.md``). Messages are taken
 as serialized CDR straight from the middleware (``raw=True`` subscriptions), so nothing is converted and
 what is written is byte for byte what was published.
 
