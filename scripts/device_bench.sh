@@ -36,7 +36,7 @@ if [ -n "$TESTS" ]; then
     timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q $TESTS 2>&1 | tee "$OUT/tests.txt" || status=1
 fi
 timeout "${ENGINE_TIMEOUT:-1800}" python3 -m oxygen_ros.bench.engine_bench --preset "$PRESET" --dtype "$DTYPE" \
-    --device "$DEVICE" --tokenizer tiny --horizon 10 --kv-budget-mib "${KV_MIB:-8192}" --frames "$FRAMES" \
+    --device "$DEVICE" --tokenizer-path tiny --action-horizon 10 --kv-budget-mb "${KV_MIB:-8192}" --frames "$FRAMES" \
     --out "$OUT/engine_bench_${PRESET}_${DEVICE}.json" ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine_bench_${PRESET}_${DEVICE}.txt" \
     || status=1
 MODEL_PRESETS=${MODEL_PRESETS-pi05 pi0}

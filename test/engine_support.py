@@ -60,10 +60,10 @@ def observation(seq, instruction="pick up the cube", masked=(), stamp=None, size
 
 def engine_config(mode="unified", tasks=(), **overrides):
     """An engine config over :data:`SLOTS` with the given language task dicts."""
-    data = {"mode": mode, "camera_slots": list(SLOTS), "kv_budget_bytes": 8 * 2**20,
+    data = {"mode": mode, "camera_slots": list(SLOTS), "kv_budget_mb": 8,
             "block_size": 16, "scheduling": "fixed_k", "decode_steps_per_cycle": 2,
             "action": {"prompt_template": "Task: {instruction}, State: {state};\nAction: ",
-                       "control_period_s": 10.0},
+                       "control_rate_hz": 0.1},
             "language_tasks": list(tasks)}
     data.update(overrides)
     return EngineConfig.from_dict(data)

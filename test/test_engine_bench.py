@@ -58,10 +58,10 @@ def test_engine_bench_torch_kernels_switch_is_reported_and_undone(tmp_path, caps
 def test_engine_bench_rejects_bad_arguments_before_building_the_model(tmp_path, capsys):
     not_a_model = tmp_path / "not_a.model"
     not_a_model.write_text("not a SentencePiece model")
-    for argv in (["--deadline-frames", "0"], ["--horizon", "0"], ["--rounds", "0"],
-                 ["--preset", "pi05", "--tokenizer", str(tmp_path / "missing.model")],
-                 ["--preset", "pi05", "--tokenizer", str(not_a_model)],
-                 ["--preset", "pi05_tiny", "--tokenizer", str(not_a_model)]):
+    for argv in (["--deadline-frames", "0"], ["--action-horizon", "0"], ["--rounds", "0"],
+                 ["--preset", "pi05", "--tokenizer-path", str(tmp_path / "missing.model")],
+                 ["--preset", "pi05", "--tokenizer-path", str(not_a_model)],
+                 ["--preset", "pi05_tiny", "--tokenizer-path", str(not_a_model)]):
         try:
             engine_bench.main(argv + ["--out", str(tmp_path / "x.json")])
         except SystemExit as exit_:

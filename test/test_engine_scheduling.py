@@ -51,7 +51,7 @@ def test_too_small_budget_drops_or_waits_while_every_cycle_acts(model):
     budget = (reserve + 22) * page
     for policy in ("drop", "wait"):
         task = dict(SPEECH, admission=policy, max_new_tokens=12, max_wait_s=0.25)
-        engine = _engine(model, [task], kv_budget_bytes=budget, decode_steps_per_cycle=1)
+        engine = _engine(model, [task], kv_budget_mb=budget / 2**20, decode_steps_per_cycle=1)
         events = []
         for seq in range(6):
             result = engine.run_cycle(observation(seq, masked=ONE_CAM))
@@ -73,7 +73,7 @@ def test_higher_priority_preempts(model):
                 trigger={"every_n_frames": 3})
     probe = _engine(model, [])
     budget = (probe._action_reserve + 26) * probe.pool.bytes_per_block
-    engine = _engine(model, [low, high], kv_budget_bytes=budget, decode_steps_per_cycle=1)
+    engine = _engine(model, [low, high], kv_budget_mb=budget / 2**20, decode_steps_per_cycle=1)
     events = []
     for seq in range(4):
         events += engine.run_cycle(observation(seq, masked=ONE_CAM)).text_events

@@ -6,7 +6,7 @@ from oxygen_ros.bench import model_bench
 
 
 def test_model_bench_prints_one_row_of_timings(capsys):
-    model_bench.main(["--presets", "pi05_tiny", "--cameras", "1", "--prompt-len", "4", "--steps", "2",
+    model_bench.main(["--presets", "pi05_tiny", "--cameras", "1", "--prompt-len", "4", "--num-denoise-steps", "2",
                       "--decode-batch", "2", "--warmup", "0", "--repeats", "1"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("device=cpu") and " eager" in lines[0]
@@ -18,14 +18,14 @@ def test_model_bench_prints_one_row_of_timings(capsys):
 def test_model_bench_torch_kernels_switch(capsys):
     from oxygen_ros.models import gemma, native
 
-    model_bench.main(["--presets", "pi0_tiny", "--cameras", "1", "--prompt-len", "4", "--steps", "1",
+    model_bench.main(["--presets", "pi0_tiny", "--cameras", "1", "--prompt-len", "4", "--num-denoise-steps", "1",
                       "--decode-batch", "9", "--warmup", "0", "--repeats", "1", "--torch-kernels"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("(torch paths (--torch-kernels))") and lines[-1].split()[0] == "pi0_tiny"
     assert native.in_use() and gemma.packed_weights_in_use()
 
 
-@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--steps", "0"], ["--cameras", "0"], ["--threads", "-1"],
+@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--num-denoise-steps", "0"], ["--cameras", "0"], ["--threads", "-1"],
                                   ["--warmup", "-1"], ["--presets", "nope"], ["--device", "gpu"]])
 def test_model_bench_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.ros
 
 # One decode step per cycle and long utterances: a cancel lands while the request decodes.
 SETTINGS = {"control_rate_hz": 4.0, "engine.scheduling": "fixed_k", "engine.decode_steps_per_cycle": 1,
-            "speech.max_new_tokens": 40, "speech.trigger_every_s": 0.0, "memory.trigger_every_s": 3600.0,
+            "speech.max_new_tokens": 40, "speech.trigger.every_s": 0.0, "memory.trigger.every_s": 3600.0,
             "memory.max_new_tokens": 4}
 
 

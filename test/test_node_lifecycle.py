@@ -21,7 +21,7 @@ pytestmark = pytest.mark.ros
 
 # Long utterances decoded a few tokens per cycle, so that a deactivation lands mid-decoding.
 DECODING = {"autostart": False, "control_rate_hz": 4.0, "engine.scheduling": "fixed_k",
-            "engine.decode_steps_per_cycle": 2, "speech.trigger_every_n_frames": 1,
+            "engine.decode_steps_per_cycle": 2, "speech.trigger.every_n_frames": 1,
             "speech.max_new_tokens": 60, "memory.enabled": False}
 
 
@@ -262,7 +262,7 @@ def test_signal_mid_utterance_ends_it_and_holds_the_arm(signum, tmp_path):
     namespace = f"/sigtest_{os.getpid()}_{signum}"
     params = REPO_ROOT / "config" / "pi05_tiny.yaml"
     overrides = ["control_rate_hz:=4.0", "engine.scheduling:=fixed_k", "engine.decode_steps_per_cycle:=2",
-                 "speech.trigger_every_n_frames:=1", "speech.max_new_tokens:=60", "memory.enabled:=false"]
+                 "speech.trigger.every_n_frames:=1", "speech.max_new_tokens:=60", "memory.enabled:=false"]
     robot = _RobotSide(namespace)
     process = subprocess.Popen(
         [sys.executable, str(EXECUTABLE), "--ros-args", "-r", f"__ns:={namespace}", "--params-file", str(params)]

@@ -66,7 +66,7 @@ def guarded(overflowing):
         # the checkpoint carries no statistics: identity normalisation (a family that normalises
         # refuses a checkpoint without them)
         "preset": "pi0_tiny", "checkpoint": overflowing, "norm_mode": "identity", "speech.enabled": False,
-        "memory.trigger_every_s": 1.0, "memory.prompt_template": "{instruction} " + MEMORY_WORD,
+        "memory.trigger.every_s": 1.0, "memory.prompt_template": "{instruction} " + MEMORY_WORD,
         # k decode steps every cycle, slack or not: memory requests complete however loaded the machine is
         "engine.scheduling": "fixed_k", "engine.decode_steps_per_cycle": 8,
         "joint_limits.lower": lower, "joint_limits.upper": upper}))

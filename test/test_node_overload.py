@@ -16,7 +16,7 @@ def test_language_degrades_but_never_vanishes_when_no_cycle_has_slack():
     from std_msgs.msg import String
 
     harness = Harness(tiny_parameters(**{
-        "control_rate_hz": 200.0, "speech.trigger_every_s": 2.0, "memory.trigger_every_s": 2.0,
+        "control_rate_hz": 200.0, "speech.trigger.every_s": 2.0, "memory.trigger.every_s": 2.0,
         "camera_reliability": ["best_effort", "reliable"]}))
     try:
         harness.instruction.publish(String(data="stack the blocks"))

@@ -22,8 +22,8 @@ CONTROL_RATE_HZ = 4.0
 @pytest.fixture(scope="module")
 def harness():
     h = Harness(tiny_parameters(**{
-        "control_rate_hz": CONTROL_RATE_HZ, "memory.trigger_every_s": 1.0,
-        "camera_reliability": ["best_effort", "reliable"], "speech.trigger_every_s": 2.0}))
+        "control_rate_hz": CONTROL_RATE_HZ, "memory.trigger.every_s": 1.0,
+        "camera_reliability": ["best_effort", "reliable"], "speech.trigger.every_s": 2.0}))
     from std_msgs.msg import String
 
     h.instruction.publish(String(data="pick up the red cube"))

@@ -40,7 +40,7 @@ def test_outputs_recorded_to_mcap_read_back_field_for_field(tmp_path):
 
     from oxygen_ros.tools.bag_recorder import BagRecorder, project_typestore
 
-    harness = Harness(tiny_parameters(**{"control_rate_hz": 4.0, "memory.trigger_every_s": 1.0}))
+    harness = Harness(tiny_parameters(**{"control_rate_hz": 4.0, "memory.trigger.every_s": 1.0}))
     TOPICS = {harness.topic(relative): value for relative, value in OUTPUTS.items()}
     bag = tmp_path / "bag"
     recorder = BagRecorder(bag, topics=list(TOPICS), context=harness.context, discovery_period_s=0.2)

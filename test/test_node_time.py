@@ -66,7 +66,7 @@ def timed():
 
     h = Harness(tiny_parameters(**{
         "use_sim_time": True, "control_rate_hz": 4.0, "memory.enabled": False,
-        "speech.trigger_every_s": 1.0, "speech.trigger_on_new_instruction": False,
+        "speech.trigger.every_s": 1.0, "speech.trigger.on_new_instruction": False,
         "trajectory_stamp_policy": "observation"}))
     clock = SimClock(h.robot)
     h.instruction.publish(String(data="pick up the red cube"))
@@ -146,7 +146,7 @@ def test_a_looped_bag_keeps_time_triggers_firing(timed):
     stamp_jumps = h.node.output_events()["stamp_jumps"]
     h.stamp_seconds = looped
     try:
-        # speech.trigger_every_s = 1.0: one pass starts at most 4 requests. Without a restart the trigger
+        # speech.trigger.every_s = 1.0: one pass starts at most 4 requests. Without a restart the trigger
         # would wait for the stamps to pass the ~3002 s it last fired at: nothing after the first pass.
         assert wait_for(lambda: finals() >= 9, 120.0), \
             [(_seconds(s.header.stamp), s.status) for s in h.received["speech"][-10:] if s.final]

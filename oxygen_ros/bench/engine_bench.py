@@ -49,13 +49,14 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from oxygen_ros.engine import BlockPool, CycleResult, Engine, EngineConfig, KVCacheManager, Observation
+from oxygen_ros.engine import BlockPool, CycleResult, EngineConfig, KVCacheManager, Observation
+from oxygen_ros.engine.config import MIB
+from oxygen_ros.engine.factory import ModelParts, build_engine, load_parts
 from oxygen_ros.engine.model_runner import ModelRunner, PrefillRow
-from oxygen_ros.engine.processing import ModelProcessor
 from oxygen_ros.bench.cpu_paths import cpu_kernel_choice, cpu_kernels
-from oxygen_ros.models import PRESETS, ROBOTS, get_preset, get_robot, load_model, load_tokenizer
+from oxygen_ros.models import PRESETS, ROBOTS, get_preset, get_robot, load_tokenizer
 from oxygen_ros.models.tokenizer import TinyTokenizer
-from oxygen_ros.models.processing import ACTION_PROMPT, LANGUAGE_PROMPT, Processor
+from oxygen_ros.models.processing import ACTION_PROMPT, LANGUAGE_PROMPT
 
 # The paper's reported speedups over isolated execution (RTX 4090, π0.5): best 3.7x; k = 5 curve.
 PAPER_BEST = 3.7
@@ -81,13 +82,13 @@ class Session:
     chunks that :meth:`Bench.interleaved` alternates with other sessions.
 
     Args:
-        bench: the benchmark (model, processor, robot, budget).
+        bench: the benchmark (model parts, KV budget).
         config: the engine configuration; warmup: frames run before measuring.
     """
 
     def __init__(self, bench: "Bench", config: EngineConfig, warmup: int):
         self.config = config
-        self.engine = Engine(bench.model, bench.processor, config)
+        self.engine = build_engine(bench.parts, config)
         self._stream = _observation_stream(bench.robot, 0, bench.instruction)
         for _ in range(warmup):
             self.engine.run_cycle(next(self._stream))
@@ -126,28 +127,32 @@ def _progress(config: EngineConfig, summary: dict) -> None:
 
 
 class Bench:
-    """Builds engines on one model and runs the settings.
+    """Builds engines on one model (:func:`oxygen_ros.engine.factory.build_engine`) and runs the settings.
 
     Args:
-        model: the VLA; processor: its engine processor; robot: the robot config (camera slots).
+        parts: the model, its engine processor and the robot (camera slots).
         frames: measured frames per setting; warmup: frames before measuring (at least enough for
             unified's batch to reach steady state).
-        budget: KV pool budget in bytes.
+        kv_budget_mb: KV pool budget of each engine [MiB] (the engine's ``kv_budget_mb``).
+        cuda_graphs: the engine's ``cuda_graphs``.
     """
 
-    def __init__(self, model, processor, robot, frames: int, warmup: int, budget: int,
+    def __init__(self, parts: ModelParts, frames: int, warmup: int, kv_budget_mb: float,
                  cuda_graphs: bool = True):
-        self.model, self.processor, self.robot = model, processor, robot
-        self.frames, self.warmup, self.budget = frames, warmup, budget
+        self.parts = parts
+        self.model, self.processor, self.robot = parts.model, parts.processor, parts.robot
+        self.frames, self.warmup, self.kv_budget_mb = frames, warmup, kv_budget_mb
         self.cuda_graphs = cuda_graphs
         self.instruction = "pick up the red cube and put it in the bowl"
 
     def config(self, mode: str, tasks: list[dict], scheduling: str = "fixed_k", k: int = 1,
                period: float = 1e3) -> EngineConfig:
+        """The engine configuration of one setting; ``period``: the control period [s] (the default,
+        1000 s, never binds)."""
         return EngineConfig.from_dict({
             "mode": mode, "scheduling": scheduling, "decode_steps_per_cycle": k,
-            "kv_budget_bytes": self.budget, "camera_slots": list(self.robot.camera_slots),
-            "action": {"prompt_template": ACTION_PROMPT, "control_period_s": period,
+            "kv_budget_mb": self.kv_budget_mb, "camera_slots": list(self.robot.camera_slots),
+            "action": {"prompt_template": ACTION_PROMPT, "control_rate_hz": 1.0 / period,
                        "num_denoise_steps": 10},
             "language_tasks": tasks, "max_batch_size": 256, "max_waiting": 256,
             "cuda_graphs": self.cuda_graphs})
@@ -231,7 +236,7 @@ def decode_rows(processor, robot, runner: ModelRunner, manager: KVCacheManager, 
     return seqs
 
 
-def batch_scaling(model, processor, robot, budget: int, batch: int, repeats: int,
+def batch_scaling(model, processor, robot, kv_budget_mb: float, batch: int, repeats: int,
                   shared_prefix: bool = True, cuda_graphs: bool = True) -> dict:
     """Median seconds of one decode step for 1 and for ``batch`` requests over paged KV
     (``repeats`` steps of each, alternating).
@@ -241,7 +246,7 @@ def batch_scaling(model, processor, robot, budget: int, batch: int, repeats: int
     otherwise each has its own observation's prefix, as in a cross-frame batch.
     """
     cfg = model.config
-    pool = BlockPool(cfg.vlm_num_layers, cfg.num_kv_heads, cfg.head_dim, 16, budget,
+    pool = BlockPool(cfg.vlm_num_layers, cfg.num_kv_heads, cfg.head_dim, 16, int(kv_budget_mb * MIB),
                      dtype=model.dtype, device=model.device)
     manager = KVCacheManager(pool)
     runner = ModelRunner(model, processor, manager, cuda_graphs)
@@ -263,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="pi05_tiny", choices=sorted(PRESETS))
     parser.add_argument("--robot", default="libero", choices=sorted(ROBOTS),
                         help="camera slots and state/action dims")
-    parser.add_argument("--horizon", type=int, default=None,
+    parser.add_argument("--action-horizon", type=int, default=None,
                         help="action horizon H (default the preset's; the paper's protocol uses 10)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu")
@@ -275,13 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10,
                         help="rounds in which the settings of one group take turns (chunks of frames)")
     parser.add_argument("--deadline-frames", type=int, default=60)
-    parser.add_argument("--kv-budget-mib", type=float, default=256.0)
+    parser.add_argument("--kv-budget-mb", type=float, default=256.0,
+                        help="KV pool budget of each engine [MiB] (the engine's kv_budget_mb)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    parser.add_argument("--tokenizer", default=None,
+    parser.add_argument("--tokenizer-path", default=None,
                         help="PaliGemma SentencePiece model for full presets, or 'tiny' for the offline "
                              "tiny tokenizer over the preset's vocabulary (timing with random weights)")
-    parser.add_argument("--eager", action="store_true",
-                        help="no CUDA graphs (default on CUDA: vision and denoise replayed from graphs)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="on CUDA, replay vision and denoise from CUDA graphs (the engine's cuda_graphs; "
+                             "--no-cuda-graphs: eager)")
     parser.add_argument("--torch-kernels", action="store_true",
                         help="on the CPU: no native decode attention and no oneDNN-prepacked weights "
                              "(the plain torch / MKL paths, for A/B)")
@@ -289,23 +296,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.frames, args.rounds, args.deadline_frames, *args.n, *args.k) < 1:
         parser.error("--frames, --rounds, --deadline-frames, --n and --k must be >= 1")
-    if args.warmup < 0 or args.threads < 0 or args.kv_budget_mib <= 0:
-        parser.error("--warmup and --threads must be >= 0, --kv-budget-mib > 0")
-    if args.horizon is not None and args.horizon < 1:
-        parser.error("--horizon must be >= 1")
+    if args.warmup < 0 or args.threads < 0 or args.kv_budget_mb <= 0:
+        parser.error("--warmup and --threads must be >= 0, --kv-budget-mb > 0")
+    if args.action_horizon is not None and args.action_horizon < 1:
+        parser.error("--action-horizon must be >= 1")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this torch ({torch.__version__}) has no CUDA device")
-    config = get_preset(args.preset, **({} if args.horizon is None else {"action_horizon": args.horizon}))
+    horizon = {} if args.action_horizon is None else {"action_horizon": args.action_horizon}
+    config = get_preset(args.preset, **horizon)
     # Check the tokenizer before building the model (a full preset takes a while to build).
-    if args.tokenizer == "tiny":
+    if args.tokenizer_path == "tiny":
         tokenizer = TinyTokenizer(config.vocab_size)
-    elif args.tokenizer is not None and config.tokenizer == "tiny":
-        parser.error(f"--tokenizer: preset {args.preset} uses its built-in tiny tokenizer; drop the option")
+    elif args.tokenizer_path is not None and config.tokenizer == "tiny":
+        parser.error(f"--tokenizer-path: preset {args.preset} uses its built-in tiny tokenizer; drop the option")
     else:
         try:
-            tokenizer = load_tokenizer(config, args.tokenizer)
+            tokenizer = load_tokenizer(config, args.tokenizer_path)
         except (ValueError, FileNotFoundError) as error:
-            parser.error(f"--tokenizer: {error} (or --tokenizer tiny for timing with random weights)")
+            parser.error(f"--tokenizer-path: {error} (or --tokenizer-path tiny for timing with random weights)")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -315,17 +323,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, config, tokenizer) -> int:
     """Every setting of :func:`main` with validated arguments; returns the exit status."""
-    model = load_model(config, dtype=args.dtype, device=args.device)
     robot = get_robot(args.robot)
-    processor = ModelProcessor(Processor(model.config, robot, tokenizer))
-    bench = Bench(model, processor, robot, args.frames, args.warmup,
-                  int(args.kv_budget_mib * 2**20), not args.eager)
+    parts = load_parts(args.preset, robot, tokenizer=tokenizer, action_horizon=config.action_horizon,
+                       dtype=args.dtype, device=args.device)
+    model, processor = parts.model, parts.processor
+    bench = Bench(parts, args.frames, args.warmup, args.kv_budget_mb, args.cuda_graphs)
     horizon = model.config.action_horizon
     results: dict = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                                  "torch": torch.__version__, "threads": torch.get_num_threads(),
                                  "device": args.device, "device_name": _device_name(model.device)},
-                     "tokenizer": args.tokenizer or "preset",
-                     "cuda_graphs": not args.eager and model.device.type == "cuda",
+                     "tokenizer": args.tokenizer_path or "preset",
+                     "cuda_graphs": args.cuda_graphs and model.device.type == "cuda",
                      "cpu_kernels": cpu_kernels(model.device, model.config, args.torch_kernels),
                      "preset": args.preset, "dtype": args.dtype, "robot": args.robot,
                      "frames": args.frames, "horizon": horizon, "args": vars(args), "rows": []}
@@ -384,7 +392,7 @@ def _run(args: argparse.Namespace, config, tokenizer) -> int:
     # Deadline mode: a control period that isolated at the largest N misses on most cycles.
     n_max = max(args.n)
     period = 0.5 * ((p_cost + d_cost_denoise + d_cost) + (2 * p_cost + d_cost_denoise + n_max * d_cost))
-    deadline_frames = Bench(model, processor, robot, args.deadline_frames, args.warmup, bench.budget)
+    deadline_frames = Bench(parts, args.deadline_frames, args.warmup, bench.kv_budget_mb, bench.cuda_graphs)
     dl = deadline_frames.run(bench.config("unified", [speech(n_max)], scheduling="deadline",
                                           period=period), warmup=args.warmup + n_max, drain=2 * n_max)
     iso_dl = deadline_frames.run(bench.config("isolated", [speech(n_max)], period=period))
@@ -407,9 +415,9 @@ def _run(args: argparse.Namespace, config, tokenizer) -> int:
                            "unified_mean_decode_steps": dl["mean_decode_steps_per_frame"],
                            "summary": dl}
 
-    results["batch_scaling"] = batch_scaling(model, processor, robot, bench.budget, 30, repeats=15,
+    results["batch_scaling"] = batch_scaling(model, processor, robot, bench.kv_budget_mb, 30, repeats=15,
                                              cuda_graphs=bench.cuda_graphs)
-    results["batch_scaling_cross_frame"] = batch_scaling(model, processor, robot, bench.budget, 30,
+    results["batch_scaling_cross_frame"] = batch_scaling(model, processor, robot, bench.kv_budget_mb, 30,
                                                          repeats=15, shared_prefix=False,
                                                          cuda_graphs=bench.cuda_graphs)
     results["costs_s"] = {"P": p_cost, "V": v_cost, "D": d_cost_denoise, "d": d_cost}

@@ -55,7 +55,7 @@ def _apply(setting: str) -> None:
     native.select(None if setting == "torch" else setting.split()[1])
 
 
-def run(preset: str, robot_name: str, batch: int, rounds: int, keys: int, budget_mib: float) -> dict:
+def run(preset: str, robot_name: str, batch: int, rounds: int, keys: int, kv_budget_mb: float) -> dict:
     """Every measurement of the module docstring; seconds (medians) per setting."""
     config = get_preset(preset)
     model = load_model(config, dtype="float32", device="cpu")
@@ -70,7 +70,7 @@ def run(preset: str, robot_name: str, batch: int, rounds: int, keys: int, budget
     with cpu_kernel_choice(False):
         try:
             for label, shared in (("shared", True), ("per-request", False)):
-                pool = BlockPool(cfg.vlm_num_layers, cfg.num_kv_heads, cfg.head_dim, 16, int(budget_mib * 2**20),
+                pool = BlockPool(cfg.vlm_num_layers, cfg.num_kv_heads, cfg.head_dim, 16, int(kv_budget_mb * 2**20),
                                  dtype=model.dtype, device=model.device)
                 manager = KVCacheManager(pool)
                 runner = ModelRunner(model, processor, manager, cuda_graphs=False)
@@ -119,17 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=30, help="requests in the batched step")
     parser.add_argument("--rounds", type=int, default=20, help="turns of every setting (medians over them)")
     parser.add_argument("--keys", type=int, default=800, help="keys per row in the attention-only part")
-    parser.add_argument("--kv-budget-mib", type=float, default=256.0)
+    parser.add_argument("--kv-budget-mb", type=float, default=256.0,
+                        help="KV pool budget [MiB] (the engine's kv_budget_mb)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument("--out", default="bench-results/kernel_bench.json")
     args = parser.parse_args(argv)
-    if min(args.batch, args.rounds, args.keys) < 1 or args.threads < 0 or args.kv_budget_mib <= 0:
-        parser.error("--batch, --rounds and --keys must be >= 1, --threads >= 0, --kv-budget-mib > 0")
+    if min(args.batch, args.rounds, args.keys) < 1 or args.threads < 0 or args.kv_budget_mb <= 0:
+        parser.error("--batch, --rounds and --keys must be >= 1, --threads >= 0, --kv-budget-mb > 0")
     if get_preset(args.preset).tokenizer != "tiny":
         parser.error(f"--preset {args.preset}: this bench runs the tiny presets (built-in tokenizer)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = run(args.preset, args.robot, args.batch, args.rounds, args.keys, args.kv_budget_mib)
+    results = run(args.preset, args.robot, args.batch, args.rounds, args.keys, args.kv_budget_mb)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     results.update(preset=args.preset, robot=args.robot, batch=args.batch, rounds=args.rounds,
                    machine={"platform": platform.platform(), "processor": platform.processor(),

@@ -102,19 +102,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--cameras", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=48, help="prompt tokens (π0.5 with state: ~45 tiny)")
-    parser.add_argument("--steps", type=int, default=10, help="Euler steps S")
+    parser.add_argument("--num-denoise-steps", type=int, default=10, help="Euler steps S (num_denoise_steps)")
     parser.add_argument("--decode-batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--eager", action="store_true",
-                        help="no CUDA graphs (default on CUDA: vision and denoise replayed from graphs)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="on CUDA, replay vision and denoise from CUDA graphs (cuda_graphs; --no-cuda-graphs: "
+                             "eager)")
     parser.add_argument("--torch-kernels", action="store_true",
                         help="on the CPU: no native decode attention and no oneDNN-packed weights "
                              "(the plain torch / MKL paths, for A/B)")
     args = parser.parse_args(argv)
-    if min(args.cameras, args.prompt_len, args.steps, args.decode_batch, args.repeats) < 1:
-        parser.error("--cameras, --prompt-len, --steps, --decode-batch and --repeats must be >= 1")
+    if min(args.cameras, args.prompt_len, args.num_denoise_steps, args.decode_batch, args.repeats) < 1:
+        parser.error("--cameras, --prompt-len, --num-denoise-steps, --decode-batch and --repeats must be >= 1")
     if args.warmup < 0 or args.threads < 0:
         parser.error("--warmup and --threads must be >= 0")
     try:
@@ -129,13 +130,13 @@ def main(argv: list[str] | None = None) -> None:
         paths = cpu_kernels(device, get_preset(args.presets[0]), args.torch_kernels) if args.dtype == "float32" \
             else None
         print(f"device={args.device} dtype={args.dtype} cameras={args.cameras} prompt={args.prompt_len} "
-              f"S={args.steps} decode_batch={args.decode_batch} threads={torch.get_num_threads()}"
-              f"{' eager' if args.eager or device.type != 'cuda' else ' cuda_graphs'}"
+              f"S={args.num_denoise_steps} decode_batch={args.decode_batch} threads={torch.get_num_threads()}"
+              f"{' eager' if not args.cuda_graphs or device.type != 'cuda' else ' cuda_graphs'}"
               f"{f' ({paths})' if paths else ''}")
         print(f"{'preset':<12}{'vision':>10}{'prefill':>10}{'denoise':>10}{'cycle':>10}{'decode':>10}   (ms, median)")
         for preset in args.presets:
-            r = bench_preset(preset, args.device, args.dtype, args.cameras, args.prompt_len, args.steps,
-                             args.decode_batch, args.warmup, args.repeats, not args.eager)
+            r = bench_preset(preset, args.device, args.dtype, args.cameras, args.prompt_len, args.num_denoise_steps,
+                             args.decode_batch, args.warmup, args.repeats, args.cuda_graphs)
             print(f"{preset:<12}{r['vision']:>10.1f}{r['prefill']:>10.1f}{r['denoise']:>10.1f}"
                   f"{r['cycle']:>10.1f}{r['decode_step']:>10.2f}")
 

@@ -115,7 +115,7 @@ class Scheduler:
         if action_reserve_blocks > manager.pool.num_blocks:
             raise ValueError(f"KV pool of {manager.pool.num_blocks} pages cannot reserve "
                              f"{action_reserve_blocks} pages for the action task; raise "
-                             "kv_budget_bytes")
+                             "engine.kv_budget_mb")
         self._config = config
         self._manager = manager
         self.language_capacity = manager.pool.num_blocks - action_reserve_blocks

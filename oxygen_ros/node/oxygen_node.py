@@ -125,16 +125,6 @@ class _ObservationInfo:
     camera_slots: tuple[str, ...]
 
 
-def _node_terms(message: str) -> str:
-    """An engine / model error message in the node's terms: the engine's ``kv_budget_bytes`` is the node's
-    ``engine.kv_budget_mb`` parameter."""
-    if "kv_budget_bytes" in message:
-        return message.replace("kv_budget_bytes", "the parameter engine.kv_budget_mb")
-    if "KV budget" in message or "KV pool" in message:
-        return f"{message} (raise the parameter engine.kv_budget_mb)"
-    return message
-
-
 class OxygenNode(LifecycleNode):
     """The oxygen_ros lifecycle node (see the module docstring for lifecycle, threads and topics).
 
@@ -349,7 +339,7 @@ class OxygenNode(LifecycleNode):
         except Exception as error:  # any load failure: report it, keep nothing
             if engine is not None:
                 engine.close()
-            self._configure_error = _node_terms(f"{type(error).__name__}: {error}")
+            self._configure_error = f"{type(error).__name__}: {error}"
             self.get_logger().error(f"configure failed: {self._configure_error}")
             self._lifecycle_state = "unconfigured"
             return TransitionCallbackReturn.FAILURE
@@ -769,8 +759,9 @@ class OxygenNode(LifecycleNode):
         if not inputs.store_instruction(text):
             return True, "instruction unchanged"
         self.get_logger().info(f"instruction: {text[:200]!r}")
-        if self._active and settings.speech_enabled and settings.speech_cancel_on_new_instruction:
-            engine.cancel_task("speech")
+        for task in engine.config.language_tasks if self._active else ():
+            if task.cancel_on_new_instruction:
+                engine.cancel_task(task.name)
         return True, "instruction set: the next control cycle uses it"
 
     def _on_joint_state(self, msg: JointState) -> None:

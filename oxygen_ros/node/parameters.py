@@ -1,32 +1,48 @@
-"""ROS parameters of ``oxygen_node``: declarations with descriptors, and their validated values.
+"""ROS parameters of ``oxygen_node``: one declaration per parameter, from which come its descriptor,
+its check when set, its value's way into :class:`NodeSettings` and its row in ``docs/parameters.md``.
 
-Every parameter is declared with a :class:`ParameterDescriptor` (description, range, and when a change
-takes effect). Arrays are typed ROS arrays
-(``string[]``, ``bool[]``), never comma-separated strings. Per-camera arrays (``camera_slots``,
-``camera_transports``, ``camera_reliability``, ``camera_required``, and ``camera_accept_mono16``, which may
-also be empty) are parallel to ``camera_topics``.
+Two sources, one pattern (a :class:`~oxygen_ros.engine.config.Knob` per setting: description, unit, range
+or choices, when a change applies):
 
-Two kinds (:data:`CONFIGURE_TIME`, :data:`DYNAMIC`): the configure-time parameters (model, device,
-cameras, topics, rates, triggers, prompt templates, engine, trajectory options, ...) are read once, in
-``configure``: ``ros2 param set`` accepts them while the node is unconfigured (after ``cleanup``, or before
-the first ``configure``) and refuses them with the reason while it is configured (inactive or active),
-since the running engine would not see them. The dynamic ones (``staleness_limit_s``,
-``max_instruction_chars``, ``joint_limits.policy``, ``expired_output_policy``,
-``expired_output_margin_s``, ``on_stop_command``,
-``camera_clock_offset_warn_s``) are accepted in every state and read at their next use (the next control
-cycle, instruction, output or status period). ``autostart`` only acts at start-up and is read-only.
+* the engine's own configuration: the fields of :class:`~oxygen_ros.engine.config.EngineConfig` are the
+  parameters ``engine.<field>`` (``cuda_graphs`` sits with the model's parameters), the action task's
+  fields are top-level (``control_rate_hz``, ``num_denoise_steps``, ``noise_seed``), and the fields of
+  :class:`~oxygen_ros.engine.config.TaskConfig` are ``speech.<field>`` and ``memory.<field>`` (nested
+  configurations as ``speech.trigger.every_s``) with ``speech.enabled`` / ``memory.enabled``. The same
+  names and units as the engine YAML and the benchmark flags; :func:`read_settings` builds the
+  :class:`EngineConfig` from these subtrees once, and the engine validates it once.
+* the node-only settings (model files, robot, cameras, topics, outputs, time checks): :data:`NODE_PARAMETERS`.
+
+Arrays are typed ROS arrays (``string[]``, ``bool[]``), never comma-separated strings. Per-camera arrays
+(``camera_slots``, ``camera_transports``, ``camera_reliability``, ``camera_required``, and
+``camera_accept_mono16``, which may also be empty) are parallel to ``camera_topics``.
+
+When a change applies (``additional_constraints`` of each descriptor; docs/parameters.md): *next use*
+parameters are accepted in every lifecycle state and read at their next use (the next control cycle,
+instruction, output or status period); *next configure* (runtime knobs) and *structural* ones (model,
+robot, cameras, topics) are read in ``configure``: ``ros2 param set`` accepts them while the node is
+unconfigured (after ``cleanup``, or before the first ``configure``) and refuses them with the reason while
+it is configured (inactive or active), since the running engine would not see them. ``autostart`` only
+acts at start-up and is read-only.
+
+``python -m oxygen_ros.node.parameters --markdown > docs/parameters.md`` writes the parameter page.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from dataclasses import dataclass
+from typing import Any, Iterator
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rclpy.exceptions import ParameterUninitializedException
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
-from oxygen_ros.models.config import get_preset
+from oxygen_ros.engine.config import (NEXT_CONFIGURE, NEXT_USE, START_UP, STRUCTURAL, EngineConfig, Knob,
+                                      TaskConfig, leaves)
+from oxygen_ros.models.config import PRESETS, get_preset
 from oxygen_ros.models.conventions import MODEL_CAMERA_SLOTS, NORM_MODES, Conventions, apply_settings, \
     resolve_conventions
 from oxygen_ros.node.output_checks import (EXPIRED_OUTPUT_POLICIES, LIMIT_POLICIES, JointLimits,
@@ -35,157 +51,210 @@ from oxygen_ros.node.output_checks import (EXPIRED_OUTPUT_POLICIES, LIMIT_POLICI
 TRANSPORTS = ("raw", "compressed")
 RELIABILITIES = ("best_effort", "reliable")
 TRAJECTORY_STAMP_POLICIES = ("now", "observation")
+STOP_COMMANDS = ("hold", "none")
+DTYPES = ("float32", "bfloat16")
 # Full-size presets: random weights are meaningless there (and a robot must never run them unnoticed).
 FULL_PRESETS = ("pi05", "pi0")
 
 
-def _float_range(low: float, high: float) -> list[FloatingPointRange]:
-    return [FloatingPointRange(from_value=low, to_value=high, step=0.0)]
+@dataclass(frozen=True)
+class Declaration:
+    """One ROS parameter of ``oxygen_node``.
+
+    Attributes:
+        name: the parameter name (dotted for a subtree).
+        default: its default value, or a ``Parameter.Type`` for an array that may stay empty.
+        knob: description, unit, range or choices, when a change applies.
+        section: the heading it is listed under in docs/parameters.md.
+        engine_path: where its value goes in the :class:`EngineConfig` mapping (``("kv_budget_mb",)``,
+            ``("action", "num_denoise_steps")``, ``("speech", "trigger", "every_s")`` for a language
+            task); None for a node-only parameter.
+    """
+
+    name: str
+    default: Any
+    knob: Knob
+    section: str
+    engine_path: tuple[str, ...] | None = None
 
 
-def _int_range(low: int, high: int) -> list[IntegerRange]:
-    return [IntegerRange(from_value=low, to_value=high, step=1)]
+def _node(name: str, default: Any, doc: str, section: str, **meta: Any) -> Declaration:
+    return Declaration(name, default, Knob(doc, **meta), section)
 
 
-# name -> (default or Parameter.Type for an array that may be empty, description, range kwargs, at_configure:
-# True = read at configure (settable while unconfigured), False = dynamic (read at its next use))
-_DECLARATIONS: dict[str, tuple] = {
-    # ---- lifecycle
-    "autostart": (True, "configure and activate on start-up, without a lifecycle manager", {}, True),
-    # ---- model
-    "preset": ("pi05_tiny", "model preset: pi05, pi0, pi05_tiny or pi0_tiny", {}, True),
-    "checkpoint": ("", "local checkpoint directory; empty = seeded random weights (tiny presets; a full "
-                   "preset needs allow_random_weights)", {}, True),
-    "allow_random_weights": (False, "let a full-size preset (pi05, pi0) run with seeded random weights when "
-                             "checkpoint is empty (meaningless actions: for tests only)", {}, True),
-    "tokenizer_path": ("", "local PaliGemma SentencePiece model (full presets); empty for tiny presets", {},
-                       True),
-    "conventions": ("", "checkpoint family whose conventions the checkpoint was trained with (prompt layout, "
-                    "normalisation, horizon, delta actions, robot adaptation, cameras): openpi/pi05_aloha, "
-                    "openpi/pi05_droid, openpi/pi05_libero, openpi/pi0_aloha, openpi/pi0_droid, openpi/pi0_libero, "
-                    "openpi/pi05, openpi/pi0, lerobot/pi05, lerobot/pi0; empty = what the checkpoint carries "
-                    "(a LeRobot config.json), else the preset's defaults (docs/conventions.md)", {}, True),
-    "norm_stats_path": ("", "openpi norm_stats.json of the robot; empty = the statistics the checkpoint carries "
-                        "(LeRobot processor files, openpi assets/<asset>/norm_stats.json); none without a "
-                        "checkpoint = data already normalised", {}, True),
-    "norm_mode": ("", "state/action normalisation: quantile, mean_std or identity; empty = the conventions' "
-                  "(pi0.5: quantile, pi0: mean_std); must agree with a checkpoint's or family's", {}, True),
-    "action_horizon": (0, "H: actions per chunk; 0 = the conventions' (e.g. openpi/pi05_droid 15); must agree "
-                       "with a checkpoint's or family's", {"integer_range": _int_range(0, 1000)}, True),
-    "device": ("cpu", "torch device, e.g. cpu, cuda, cuda:0", {}, True),
-    "dtype": ("float32", "weight dtype: float32 or bfloat16", {}, True),
-    "cuda_graphs": (True, "on a CUDA device, replay the vision tower and the denoising loop from CUDA graphs "
-                    "(captured on first use; false = eager PyTorch)", {}, True),
-    "seed": (0, "seed of the random weights when no checkpoint is given", {"integer_range": _int_range(0, 2**31 - 1)},
-             True),
+_MODEL, _ROBOT, _INPUTS, _ACTION, _OUTPUTS = "Model", "Robot", "Inputs", "Action task and node rates", "Outputs"
+# The node-only parameters (the engine's come from its configuration dataclasses: _engine_declarations).
+NODE_PARAMETERS: tuple[Declaration, ...] = (
+    _node("autostart", True, "configure and activate on start-up, without a lifecycle manager", _MODEL,
+          when=START_UP),
+    _node("preset", "pi05_tiny", "model preset", _MODEL, choices=tuple(sorted(PRESETS)), when=STRUCTURAL),
+    _node("checkpoint", "", "local checkpoint directory; empty = seeded random weights (tiny presets; a full "
+          "preset needs allow_random_weights)", _MODEL, when=STRUCTURAL),
+    _node("allow_random_weights", False, "let a full-size preset (pi05, pi0) run with seeded random weights when "
+          "checkpoint is empty (meaningless actions: for tests only)", _MODEL, when=STRUCTURAL),
+    _node("tokenizer_path", "", "local PaliGemma SentencePiece model (full presets); empty for tiny presets",
+          _MODEL, when=STRUCTURAL),
+    _node("conventions", "", "checkpoint family whose conventions the checkpoint was trained with (prompt "
+          "layout, normalisation, horizon, delta actions, robot adaptation, cameras): openpi/pi05_aloha, "
+          "openpi/pi05_droid, openpi/pi05_libero, openpi/pi0_aloha, openpi/pi0_droid, openpi/pi0_libero, "
+          "openpi/pi05, openpi/pi0, lerobot/pi05, lerobot/pi0; empty = what the checkpoint carries (a LeRobot "
+          "config.json), else the preset's defaults (docs/conventions.md)", _MODEL, when=STRUCTURAL),
+    _node("norm_stats_path", "", "openpi norm_stats.json of the robot; empty = the statistics the checkpoint "
+          "carries (LeRobot processor files, openpi assets/<asset>/norm_stats.json); none without a checkpoint "
+          "= data already normalised", _MODEL, when=STRUCTURAL),
+    _node("norm_mode", "", "state/action normalisation: quantile, mean_std or identity; empty = the "
+          "conventions' (pi0.5: quantile, pi0: mean_std); must agree with a checkpoint's or family's", _MODEL,
+          choices=("",) + NORM_MODES, when=STRUCTURAL),
+    _node("action_horizon", 0, "H: actions per chunk; 0 = the conventions' (e.g. openpi/pi05_droid 15); must "
+          "agree with a checkpoint's or family's", _MODEL, low=0, high=1000, when=STRUCTURAL),
+    _node("device", "cpu", "torch device, e.g. cpu, cuda, cuda:0", _MODEL, when=STRUCTURAL),
+    _node("dtype", "float32", "weight dtype", _MODEL, choices=DTYPES, when=STRUCTURAL),
+    _node("seed", 0, "seed of the random weights when no checkpoint is given", _MODEL, low=0, high=2**31 - 1,
+          when=STRUCTURAL),
     # ---- robot
-    "joint_names": (Parameter.Type.STRING_ARRAY,
-                    "joints of the robot state vector, in order, matched by name in "
-                    "sensor_msgs/JointState (required: pi0 and pi0.5 read the state)", {}, True),
-    "action_dim": (0, "D: action dimensions kept from the model's padded 32; 0 = the conventions' robot "
-                   "action dimension, else the number of joint_names", {"integer_range": _int_range(0, 32)}, True),
-    "action_dt_s": (0.0, "time between consecutive actions of a chunk (the policy's action period) [s]; 0 = the "
-                    "conventions' (e.g. 1/15 s for DROID), else 0.05 s",
-                    {"floating_point_range": _float_range(0.0, 10.0)}, True),
-    "action_names": (Parameter.Type.STRING_ARRAY,
-                     "name of each of the D action dimensions; empty = joint_names when it has D entries, "
-                     "else action_0 ... action_{D-1}", {}, True),
+    _node("joint_names", Parameter.Type.STRING_ARRAY, "joints of the robot state vector, in order, matched by "
+          "name in sensor_msgs/JointState (required: pi0 and pi0.5 read the state)", _ROBOT, when=STRUCTURAL),
+    _node("action_dim", 0, "D: action dimensions kept from the model's padded 32; 0 = the conventions' robot "
+          "action dimension, else the number of joint_names", _ROBOT, low=0, high=32, when=STRUCTURAL),
+    _node("action_dt_s", 0.0, "time between consecutive actions of a chunk (the policy's action period); 0 = "
+          "the conventions' (e.g. 1/15 s for DROID), else 0.05 s", _ROBOT, unit="s", low=0.0, high=10.0,
+          when=STRUCTURAL),
+    _node("action_names", Parameter.Type.STRING_ARRAY, "name of each of the D action dimensions; empty = "
+          "joint_names when it has D entries, else action_0 ... action_{D-1}", _ROBOT, when=STRUCTURAL),
     # ---- inputs
-    "camera_topics": (["camera/image_raw"], "camera topics (relative names resolve in the node's namespace)",
-                      {}, True),
-    "camera_slots": (["base_0_rgb"], "model camera slot of each camera topic: base_0_rgb, left_wrist_0_rgb or "
-                     "right_wrist_0_rgb (openpi image keys); the model sees them in that order", {}, True),
-    "camera_transports": (["raw"], "per camera: raw (sensor_msgs/Image) or compressed "
-                          "(sensor_msgs/CompressedImage, JPEG or PNG)", {}, True),
-    "camera_reliability": (["best_effort"], "per camera subscription reliability: best_effort (sensor-data "
-                           "QoS) or reliable", {}, True),
-    "camera_required": ([True], "per camera: true = a stale or missing frame skips the cycle (no new action "
-                        "chunk); false = the slot is masked", {}, True),
-    "camera_accept_mono16": (Parameter.Type.BOOL_ARRAY, "per camera: true = a 16-bit grayscale camera, accept "
-                             "mono16 / 16UC1 (scaled to 8 bits); empty = false for every camera (a depth "
-                             "image is dropped as unsupported_encoding)", {}, True),
-    "staleness_limit_s": (0.5, "frames and joint states received longer ago than this (node clock) are not "
-                          "used [s]", {"floating_point_range": _float_range(0.001, 3600.0)}, False),
-    "instruction_topic": ("instruction", "std_msgs/String instruction topic (reliable, volatile, depth 10; "
-                          "plus a transient-local subscription for a latched instruction until the first "
-                          "one arrives)", {}, True),
-    "default_instruction": ("", "instruction used until one arrives on the instruction topic", {}, True),
-    "max_instruction_chars": (1000, "longer instructions are dropped (counted, with a warning)",
-                              {"integer_range": _int_range(1, 1_000_000)}, False),
-    "joint_states_topic": ("joint_states", "sensor_msgs/JointState topic", {}, True),
-    # ---- rates and engine
-    "control_rate_hz": (2.0, "control cycles (action chunks) per second [Hz]",
-                        {"floating_point_range": _float_range(0.01, 1000.0)}, True),
-    "num_denoise_steps": (10, "flow-matching Euler steps per action chunk",
-                          {"integer_range": _int_range(1, 100)}, True),
-    "status_rate_hz": (1.0, "~/status and /diagnostics publications per second [Hz]",
-                       {"floating_point_range": _float_range(0.01, 100.0)}, True),
-    "engine.mode": ("unified", "isolated, shared_prefix or unified", {}, True),
-    "engine.scheduling": ("deadline", "deadline (decode in the slack) or fixed_k", {}, True),
-    "engine.decode_steps_per_cycle": (5, "k of fixed_k scheduling", {"integer_range": _int_range(1, 1000)}, True),
-    "engine.kv_budget_mb": (64, "KV pool budget [MiB]", {"integer_range": _int_range(1, 1_000_000)}, True),
-    "engine.block_size": (16, "tokens per KV page", {"integer_range": _int_range(1, 1024)}, True),
-    "engine.max_batch_size": (64, "most language requests per batched decode step",
-                              {"integer_range": _int_range(1, 4096)}, True),
-    # ---- language tasks
-    "speech.enabled": (True, "run the speech task (~/speech, ~/speech_text)", {}, True),
-    "speech.trigger_every_n_frames": (0, "start an utterance every n control cycles; 0 = off",
-                                      {"integer_range": _int_range(0, 1_000_000)}, True),
-    "speech.trigger_every_s": (0.0, "start an utterance every this many seconds of observation stamps; 0 = off",
-                               {"floating_point_range": _float_range(0.0, 86400.0)}, True),
-    "speech.trigger_on_new_instruction": (True, "start an utterance when the instruction changes", {}, True),
-    "speech.cancel_on_new_instruction": (True, "a new instruction cancels the utterance in flight", {}, True),
-    "speech.max_new_tokens": (16, "most tokens per utterance", {"integer_range": _int_range(1, 4096)}, True),
-    "speech.prompt_template": ("", "prompt with {instruction} (and optionally {state}); empty = the "
-                               "model's language prompt", {}, True),
-    "memory.enabled": (True, "run the memory task (~/memory)", {}, True),
-    "memory.trigger_every_s": (2.0, "a memory entry every this many seconds of observation stamps [s]",
-                               {"floating_point_range": _float_range(0.01, 86400.0)}, True),
-    "memory.max_new_tokens": (8, "most caption tokens per memory entry", {"integer_range": _int_range(1, 4096)},
-                              True),
-    "memory.prompt_template": ("", "caption prompt with {instruction}; empty = the model's language prompt",
-                               {}, True),
+    _node("camera_topics", ["camera/image_raw"], "camera topics (relative names resolve in the node's "
+          "namespace)", _INPUTS, when=STRUCTURAL),
+    _node("camera_slots", ["base_0_rgb"], "model camera slot of each camera topic (openpi image keys); the "
+          "model sees them in its order", _INPUTS, choices=MODEL_CAMERA_SLOTS, when=STRUCTURAL),
+    _node("camera_transports", ["raw"], "per camera: raw (sensor_msgs/Image) or compressed "
+          "(sensor_msgs/CompressedImage, JPEG or PNG)", _INPUTS, choices=TRANSPORTS, when=STRUCTURAL),
+    _node("camera_reliability", ["best_effort"], "per camera subscription reliability: best_effort "
+          "(sensor-data QoS) or reliable", _INPUTS, choices=RELIABILITIES, when=STRUCTURAL),
+    _node("camera_required", [True], "per camera: true = a stale or missing frame skips the cycle (no new "
+          "action chunk); false = the slot is masked", _INPUTS, when=STRUCTURAL),
+    _node("camera_accept_mono16", Parameter.Type.BOOL_ARRAY, "per camera: true = a 16-bit grayscale camera, "
+          "accept mono16 / 16UC1 (scaled to 8 bits); empty = false for every camera (a depth image is "
+          "dropped as unsupported_encoding)", _INPUTS, when=STRUCTURAL),
+    _node("staleness_limit_s", 0.5, "frames and joint states received longer ago than this (node clock) are "
+          "not used", _INPUTS, unit="s", low=0.001, high=3600.0, when=NEXT_USE),
+    _node("instruction_topic", "instruction", "std_msgs/String instruction topic (reliable, volatile, depth "
+          "10; plus a transient-local subscription for a latched instruction until the first one arrives)",
+          _INPUTS, when=STRUCTURAL),
+    _node("default_instruction", "", "instruction used until one arrives on the instruction topic", _INPUTS),
+    _node("max_instruction_chars", 1000, "longer instructions are dropped (counted, with a warning)", _INPUTS,
+          low=1, high=1_000_000, when=NEXT_USE),
+    _node("joint_states_topic", "joint_states", "sensor_msgs/JointState topic", _INPUTS, when=STRUCTURAL),
+    _node("camera_clock_offset_warn_s", 1.0, "/diagnostics warns when a camera's header stamps differ from "
+          "the node clock at receipt by more than this", _INPUTS, unit="s", low=0.0, high=1e9, when=NEXT_USE),
+    # ---- rates
+    _node("status_rate_hz", 1.0, "~/status and /diagnostics publications per second", _ACTION, unit="Hz",
+          low=0.01, high=100.0),
     # ---- outputs
-    "frame_id": ("", "header.frame_id of ActionChunk and JointTrajectory (the robot's base frame)", {}, True),
-    "publish_trajectory": (False, "also publish trajectory_msgs/JointTrajectory on ~/joint_trajectory", {},
-                           True),
-    "trajectory_joint_names": (Parameter.Type.STRING_ARRAY,
-                               "action dimensions (by name) sent in the JointTrajectory; empty = all", {}, True),
-    "trajectory_stamp_policy": ("now", "JointTrajectory header.stamp: now (stamp 0: the controller starts "
-                                "on receipt) or observation (the observation's stamp: point i is due at "
-                                "observation + (i+1)*dt, so the inference latency is accounted for)", {}, True),
-    # ---- output checks (what leaves the node) and time
-    "joint_limits.lower": (Parameter.Type.DOUBLE_ARRAY,
-                           "lower position limit of each action dimension (parallel to action_names; -.inf = "
-                           "none) [rad or m]; empty = no limits from parameters", {}, True),
-    "joint_limits.upper": (Parameter.Type.DOUBLE_ARRAY,
-                           "upper position limit of each action dimension (parallel to action_names; .inf = "
-                           "none) [rad or m]", {}, True),
-    "joint_limits.from_robot_description": (False, "read the position limits of the action dimensions named "
-                                            "like URDF joints from std_msgs/String robot_description "
-                                            "(transient local); no chunk is published until it arrives",
-                                            {}, True),
-    "joint_limits.policy": ("clamp", "an action chunk with a value outside the joint limits: clamp (clip "
-                            "into them) or reject (withhold the chunk); counted either way", {}, False),
-    "expired_output_policy": ("fallback", "an output whose last point is already past at publication: "
-                              "fallback (JointTrajectory sent with stamp 0, ActionChunk sent as it is) or "
-                              "withhold (not sent); counted and warned either way", {}, False),
-    "expired_output_margin_s": (0.0, "an output counts as expired (expired_output_policy) when less than this "
-                                "much of it is left at publication [s]: the time it takes to reach and start "
-                                "on the controller", {"floating_point_range": _float_range(0.0, 1e9)}, False),
-    "on_stop_command": ("hold", "the controller's last command when the node stops acting (deactivate, "
-                        "shutdown, SIGINT / SIGTERM, a failed transition while active): hold (one "
-                        "JointTrajectory on ~/joint_trajectory holding the latest JointState positions of "
-                        "trajectory_joint_names; needs publish_trajectory) or none (nothing)", {}, False),
-    "camera_clock_offset_warn_s": (1.0, "/diagnostics warns when a camera's header stamps differ from the node "
-                                   "clock at receipt by more than this [s]",
-                                   {"floating_point_range": _float_range(0.0, 1e9)}, False),
-}
+    _node("frame_id", "", "header.frame_id of ActionChunk and JointTrajectory (the robot's base frame)",
+          _OUTPUTS),
+    _node("publish_trajectory", False, "also publish trajectory_msgs/JointTrajectory on ~/joint_trajectory",
+          _OUTPUTS),
+    _node("trajectory_joint_names", Parameter.Type.STRING_ARRAY, "action dimensions (by name) sent in the "
+          "JointTrajectory; empty = all", _OUTPUTS),
+    _node("trajectory_stamp_policy", "now", "JointTrajectory header.stamp: now (stamp 0: the controller starts "
+          "on receipt) or observation (the observation's stamp: point i is due at observation + (i+1)*dt, so "
+          "the inference latency is accounted for)", _OUTPUTS, choices=TRAJECTORY_STAMP_POLICIES),
+    _node("joint_limits.lower", Parameter.Type.DOUBLE_ARRAY, "lower position limit of each action dimension "
+          "(parallel to action_names; -.inf = none); empty = no limits from parameters", _OUTPUTS,
+          unit="rad or m"),
+    _node("joint_limits.upper", Parameter.Type.DOUBLE_ARRAY, "upper position limit of each action dimension "
+          "(parallel to action_names; .inf = none)", _OUTPUTS, unit="rad or m"),
+    _node("joint_limits.from_robot_description", False, "read the position limits of the action dimensions "
+          "named like URDF joints from std_msgs/String robot_description (transient local); no chunk is "
+          "published until it arrives", _OUTPUTS),
+    _node("joint_limits.policy", "clamp", "an action chunk with a value outside the joint limits: clamp (clip "
+          "into them) or reject (withhold the chunk); counted either way", _OUTPUTS, choices=LIMIT_POLICIES,
+          when=NEXT_USE),
+    _node("expired_output_policy", "fallback", "an output whose last point is already past at publication: "
+          "fallback (JointTrajectory sent with stamp 0, ActionChunk sent as it is) or withhold (not sent); "
+          "counted and warned either way", _OUTPUTS, choices=EXPIRED_OUTPUT_POLICIES, when=NEXT_USE),
+    _node("expired_output_margin_s", 0.0, "an output counts as expired (expired_output_policy) when less than "
+          "this much of it is left at publication: the time it takes to reach and start on the controller",
+          _OUTPUTS, unit="s", low=0.0, high=1e9, when=NEXT_USE),
+    _node("on_stop_command", "hold", "the controller's last command when the node stops acting (deactivate, "
+          "shutdown, SIGINT / SIGTERM, a failed transition while active): hold (one JointTrajectory on "
+          "~/joint_trajectory holding the latest JointState positions of trajectory_joint_names; needs "
+          "publish_trajectory) or none (nothing)", _OUTPUTS, choices=STOP_COMMANDS, when=NEXT_USE),
+)
 
-# Parameters that may change at run time and take a value from a fixed set: checked when set.
-STOP_COMMANDS = ("hold", "none")
-DYNAMIC_CHOICES = {"joint_limits.policy": LIMIT_POLICIES, "expired_output_policy": EXPIRED_OUTPUT_POLICIES,
-                   "on_stop_command": STOP_COMMANDS}
+# The node's language tasks: the engine's TaskConfig fields as ``<task>.<field>`` parameters, with these
+# defaults where the node's differ from the engine's (the task's name and kind are fixed).
+LANGUAGE_TASKS: dict[str, dict[str, Any]] = {
+    "speech": {"kind": "speech", "outputs": "~/speech, ~/speech_text", "max_new_tokens": 16, "priority": 1,
+               "cancel_on_new_instruction": True, "trigger": {"on_new_instruction": True}},
+    "memory": {"kind": "memory", "outputs": "~/memory", "max_new_tokens": 8, "trigger": {"every_s": 2.0}},
+}
+# Engine fields placed elsewhere than ``engine.<field>``: the action task's at the top level (the node's
+# control rate), cuda_graphs with the model's settings.
+_PLACED = {("cuda_graphs",): "cuda_graphs"}
+
+
+def _engine_declarations() -> Iterator[Declaration]:
+    """The parameters that are fields of the engine's configuration (see the module docstring)."""
+    for leaf in leaves(EngineConfig):
+        if leaf.path[0] == "action":
+            yield Declaration(leaf.path[-1], leaf.default, leaf.knob, _ACTION, leaf.path)
+        elif leaf.path in _PLACED:
+            yield Declaration(_PLACED[leaf.path], leaf.default, leaf.knob, _MODEL, leaf.path)
+        else:
+            yield Declaration("engine." + ".".join(leaf.path), leaf.default, leaf.knob, "Engine", leaf.path)
+    for task, defaults in LANGUAGE_TASKS.items():
+        section = f"Language task {task}"
+        yield Declaration(f"{task}.enabled", True, Knob(f"run the {task} task ({defaults['outputs']})"), section)
+        for leaf in leaves(TaskConfig):
+            default: Any = defaults
+            for key in leaf.path:
+                default = default.get(key) if isinstance(default, dict) else None
+            if default is None:
+                default = leaf.default
+            if default is None:     # no engine default: the ROS value meaning "off" / "the model's prompt"
+                default = leaf.knob.off if leaf.knob.off is not None else ""
+            yield Declaration(f"{task}." + ".".join(leaf.path), default, leaf.knob, section, (task,) + leaf.path)
+
+
+# Every parameter of oxygen_node, by name.
+DECLARATIONS: dict[str, Declaration] = {d.name: d for d in (*NODE_PARAMETERS, *_engine_declarations())}
+# Read-only: only acts at start-up.
+START_ONLY = frozenset(name for name, d in DECLARATIONS.items() if d.knob.when == START_UP)
+# Read at configure: settable while unconfigured, refused while configured.
+CONFIGURE_TIME = frozenset(name for name, d in DECLARATIONS.items() if d.knob.when in (NEXT_CONFIGURE, STRUCTURAL))
+# Read at their next use: settable in every state.
+DYNAMIC = frozenset(name for name, d in DECLARATIONS.items() if d.knob.when == NEXT_USE)
+_WHEN_TEXT = {START_UP: "read-only: acts at start-up",
+              NEXT_CONFIGURE: "applied at the next configure; settable only while unconfigured",
+              STRUCTURAL: "structural: applied at the next configure; settable only while unconfigured",
+              NEXT_USE: "dynamic: takes effect at its next use"}
+
+
+def _ros_range(declaration: Declaration) -> dict[str, list]:
+    """The descriptor's range of a numeric parameter with both bounds (its ``off`` value included)."""
+    knob, default = declaration.knob, declaration.default
+    if knob.low is None or knob.high is None or isinstance(default, bool) or \
+            not isinstance(default, (int, float)):
+        return {}
+    low = knob.low if knob.off is None else min(knob.low, knob.off)
+    if isinstance(default, int):
+        start = int(low) + 1 if knob.low_open and knob.off is None else int(low)
+        return {"integer_range": [IntegerRange(from_value=start, to_value=int(knob.high), step=1)]}
+    return {"floating_point_range": [FloatingPointRange(from_value=float(low), to_value=float(knob.high),
+                                                        step=0.0)]}
+
+
+def descriptor(declaration: Declaration) -> ParameterDescriptor:
+    """The ROS descriptor of ``declaration``: description (with its unit), range, read-only, and in
+    ``additional_constraints`` when a change applies and the allowed values."""
+    knob = declaration.knob
+    constraints = _WHEN_TEXT[knob.when]
+    if knob.choices:
+        constraints += "; one of " + ", ".join(choice or '""' for choice in knob.choices)
+    description = knob.doc + (f" [{knob.unit}]" if knob.unit else "")
+    return ParameterDescriptor(description=description, read_only=knob.when == START_UP,
+                               additional_constraints=constraints, **_ros_range(declaration))
 
 
 @dataclass(frozen=True)
@@ -204,7 +273,7 @@ class CameraSettings:
 @dataclass(frozen=True)
 class NodeSettings:
     """Validated values of the configure-time parameters (:data:`CONFIGURE_TIME`), read once per
-    ``configure``.
+    ``configure``: the node-only settings and the engine's own configuration (``engine``).
 
     ``conventions`` is the checkpoint family's, resolved and checked against the explicit settings;
     ``action_dim`` and ``action_dt_s`` are the resolved values.
@@ -222,7 +291,6 @@ class NodeSettings:
     conventions: Conventions
     device: str
     dtype: str
-    cuda_graphs: bool
     seed: int
     joint_names: tuple[str, ...]
     action_dim: int
@@ -232,32 +300,14 @@ class NodeSettings:
     instruction_topic: str
     default_instruction: str
     joint_states_topic: str
-    control_rate_hz: float
-    num_denoise_steps: int
     status_rate_hz: float
-    engine_mode: str
-    engine_scheduling: str
-    decode_steps_per_cycle: int
-    kv_budget_bytes: int
-    block_size: int
-    max_batch_size: int
-    speech_enabled: bool
-    speech_every_n_frames: int
-    speech_every_s: float
-    speech_on_new_instruction: bool
-    speech_cancel_on_new_instruction: bool
-    speech_max_new_tokens: int
-    speech_prompt_template: str
-    memory_enabled: bool
-    memory_every_s: float
-    memory_max_new_tokens: int
-    memory_prompt_template: str
     frame_id: str
     publish_trajectory: bool
     trajectory_joint_names: tuple[str, ...]
     trajectory_stamp_policy: str
     joint_limits: JointLimits | None
     joint_limits_from_robot_description: bool
+    engine: EngineConfig
 
     @property
     def model_camera_slots(self) -> tuple[str, ...]:
@@ -266,9 +316,14 @@ class NodeSettings:
         return tuple(sorted((c.slot for c in self.cameras), key=MODEL_CAMERA_SLOTS.index))
 
     @property
+    def control_rate_hz(self) -> float:
+        """Control cycles per second [Hz] (the action task's ``control_rate_hz``)."""
+        return self.engine.action.control_rate_hz
+
+    @property
     def control_period_s(self) -> float:
         """Control period [s]."""
-        return 1.0 / self.control_rate_hz
+        return self.engine.action.control_period_s
 
     @property
     def model_id(self) -> str:
@@ -277,24 +332,17 @@ class NodeSettings:
         return f"{weights} {self.dtype} {self.device}"
 
 
-# Read-only: only acts at start-up.
-START_ONLY = frozenset({"autostart"})
-# Read at configure: settable while unconfigured, refused while configured.
-CONFIGURE_TIME = frozenset(name for name, declaration in _DECLARATIONS.items() if declaration[3]) - START_ONLY
-# Read at their next use: settable in every state.
-DYNAMIC = frozenset(name for name, declaration in _DECLARATIONS.items() if not declaration[3])
-
-
 def declare_parameters(node: Node) -> None:
-    """Declare every parameter of ``oxygen_node`` on ``node`` with its descriptor (its
-    ``additional_constraints`` say when a change takes effect)."""
-    for name, (default, description, ranges, at_configure) in _DECLARATIONS.items():
-        when = "read-only: acts at start-up" if name in START_ONLY else \
-            "applied at the next configure; settable only while unconfigured" if at_configure else \
-            "dynamic: takes effect at its next use"
-        descriptor = ParameterDescriptor(description=description, read_only=name in START_ONLY,
-                                         additional_constraints=when, **ranges)
-        node.declare_parameter(name, default, descriptor)
+    """Declare every parameter of ``oxygen_node`` on ``node`` with its :func:`descriptor`; a parameter
+    given (params file, ``-p``) that is not one of them is logged as a warning (a misspelt or renamed
+    name would otherwise be ignored without a word)."""
+    for declaration in DECLARATIONS.values():
+        node.declare_parameter(declaration.name, declaration.default, descriptor(declaration))
+    given = getattr(node, "_parameter_overrides", {})     # rclpy keeps the overrides there
+    unknown = sorted(name for name in given if not node.has_parameter(name))
+    if unknown:
+        node.get_logger().warning(f"ignored parameters that oxygen_node does not have: {unknown} "
+                                  "(docs/parameters.md lists its parameters)")
 
 
 def _value(node: Node, name: str):
@@ -310,13 +358,41 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def engine_mapping(values: dict[str, Any], conventions: Conventions, camera_slots: tuple[str, ...]) -> dict:
+    """The :meth:`EngineConfig.from_dict` mapping of the parameter ``values`` (by name): every
+    declaration with an ``engine_path`` at its path, the enabled language tasks with their fixed name
+    and kind, the cameras' slots, and the family's prompts (the action prompt, and the language prompt
+    for a task whose ``prompt_template`` is empty)."""
+    data: dict[str, Any] = {"camera_slots": list(camera_slots),
+                            "action": {"prompt_template": conventions.action_prompt.template}}
+    tasks: dict[str, dict] = {task: {"name": task, "kind": LANGUAGE_TASKS[task]["kind"]}
+                              for task in LANGUAGE_TASKS if values[f"{task}.enabled"]}
+    for declaration in DECLARATIONS.values():
+        path = declaration.engine_path
+        if path is None:
+            continue
+        if path[0] in LANGUAGE_TASKS:
+            if path[0] not in tasks:
+                continue
+            node, path = tasks[path[0]], path[1:]
+        else:
+            node = data
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = values[declaration.name]
+    for task in tasks.values():
+        task["prompt_template"] = task["prompt_template"] or conventions.language_prompt.template
+    data["language_tasks"] = list(tasks.values())
+    return data
+
+
 def read_settings(node: Node) -> NodeSettings:
     """Read and validate the parameters of ``node`` (declared by :func:`declare_parameters`).
 
     Raises:
         ValueError: an invalid or inconsistent value; the message names the parameter.
     """
-    v = {name: _value(node, name) for name in _DECLARATIONS}
+    v = {name: _value(node, name) for name in DECLARATIONS}
     topics = list(v["camera_topics"])
     if not topics:
         raise ValueError("parameter camera_topics: at least one camera is needed")
@@ -366,40 +442,24 @@ def read_settings(node: Node) -> NodeSettings:
     if joint_limits is not None and v["joint_limits.from_robot_description"]:
         raise ValueError("parameters joint_limits.lower / joint_limits.upper and "
                          "joint_limits.from_robot_description: set one source of joint limits, not both")
-    for name, allowed in DYNAMIC_CHOICES.items():
-        _choice(name, v[name], allowed)
-    if v["speech.enabled"] and not (v["speech.trigger_every_n_frames"] or v["speech.trigger_every_s"]
-                                    or v["speech.trigger_on_new_instruction"]):
-        raise ValueError("speech is enabled but has no trigger: set speech.trigger_every_n_frames, "
-                         "speech.trigger_every_s or speech.trigger_on_new_instruction")
+    for name, declaration in DECLARATIONS.items():
+        if declaration.knob.choices and isinstance(v[name], str):
+            _choice(name, v[name], declaration.knob.choices)
+    model_slots = tuple(sorted((c.slot for c in cameras), key=MODEL_CAMERA_SLOTS.index))
+    engine = EngineConfig.from_dict(engine_mapping(v, conventions, model_slots))
     return NodeSettings(
         preset=v["preset"], checkpoint=v["checkpoint"], allow_random_weights=bool(v["allow_random_weights"]),
-        tokenizer_path=v["tokenizer_path"],
-        norm_stats_path=v["norm_stats_path"], conventions=conventions,
-        device=v["device"], dtype=_choice("dtype", v["dtype"], ("float32", "bfloat16")),
-        cuda_graphs=bool(v["cuda_graphs"]), seed=int(v["seed"]),
+        tokenizer_path=v["tokenizer_path"], norm_stats_path=v["norm_stats_path"], conventions=conventions,
+        device=v["device"], dtype=v["dtype"], seed=int(v["seed"]),
         joint_names=joint_names, action_dim=action_dim,
         action_dt_s=conventions.action_dt_s or 0.05, action_names=action_names, cameras=cameras,
         instruction_topic=v["instruction_topic"], default_instruction=v["default_instruction"],
-        joint_states_topic=v["joint_states_topic"], control_rate_hz=float(v["control_rate_hz"]),
-        num_denoise_steps=int(v["num_denoise_steps"]), status_rate_hz=float(v["status_rate_hz"]),
-        engine_mode=v["engine.mode"], engine_scheduling=v["engine.scheduling"],
-        decode_steps_per_cycle=int(v["engine.decode_steps_per_cycle"]),
-        kv_budget_bytes=int(v["engine.kv_budget_mb"]) * 2**20, block_size=int(v["engine.block_size"]),
-        max_batch_size=int(v["engine.max_batch_size"]),
-        speech_enabled=bool(v["speech.enabled"]), speech_every_n_frames=int(v["speech.trigger_every_n_frames"]),
-        speech_every_s=float(v["speech.trigger_every_s"]),
-        speech_on_new_instruction=bool(v["speech.trigger_on_new_instruction"]),
-        speech_cancel_on_new_instruction=bool(v["speech.cancel_on_new_instruction"]),
-        speech_max_new_tokens=int(v["speech.max_new_tokens"]), speech_prompt_template=v["speech.prompt_template"],
-        memory_enabled=bool(v["memory.enabled"]), memory_every_s=float(v["memory.trigger_every_s"]),
-        memory_max_new_tokens=int(v["memory.max_new_tokens"]), memory_prompt_template=v["memory.prompt_template"],
+        joint_states_topic=v["joint_states_topic"], status_rate_hz=float(v["status_rate_hz"]),
         frame_id=v["frame_id"], publish_trajectory=bool(v["publish_trajectory"]),
-        trajectory_joint_names=trajectory_names,
-        trajectory_stamp_policy=_choice("trajectory_stamp_policy", v["trajectory_stamp_policy"],
-                                        TRAJECTORY_STAMP_POLICIES),
+        trajectory_joint_names=trajectory_names, trajectory_stamp_policy=v["trajectory_stamp_policy"],
         joint_limits=joint_limits,
-        joint_limits_from_robot_description=bool(v["joint_limits.from_robot_description"]))
+        joint_limits_from_robot_description=bool(v["joint_limits.from_robot_description"]),
+        engine=engine)
 
 
 def _conventions(v: dict, joint_names: tuple[str, ...], cameras: tuple[CameraSettings, ...]) -> Conventions:
@@ -436,7 +496,7 @@ def _conventions(v: dict, joint_names: tuple[str, ...], cameras: tuple[CameraSet
 def check_dynamic_change(parameters: list[Parameter], lifecycle_state: str = "unconfigured") -> str | None:
     """Why a change of ``parameters`` is refused in ``lifecycle_state``, or None when it is accepted (for an
     ``add_on_set_parameters_callback``): a :data:`CONFIGURE_TIME` parameter while the node is configured
-    (inactive or active), or a :data:`DYNAMIC_CHOICES` value outside its set."""
+    (inactive or active), or a string outside its declaration's choices."""
     for parameter in parameters:
         if parameter.name in CONFIGURE_TIME and lifecycle_state == "configuring":
             return (f"parameter {parameter.name} is read at configure and the node is configuring (the model is "
@@ -447,7 +507,105 @@ def check_dynamic_change(parameters: list[Parameter], lifecycle_state: str = "un
                     "deactivate and cleanup, set it, then configure again (the running engine keeps the value "
                     "it was configured with)")
     for parameter in parameters:
-        allowed = DYNAMIC_CHOICES.get(parameter.name)
-        if allowed is not None and parameter.value not in allowed:
+        declaration = DECLARATIONS.get(parameter.name)
+        allowed = declaration.knob.choices if declaration is not None else ()
+        if allowed and isinstance(parameter.value, str) and parameter.value not in allowed:
             return f"parameter {parameter.name}: {parameter.value!r} is not one of {list(allowed)}"
     return None
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, Parameter.Type):
+        return "`[]`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, str):
+        return f'`"{value}"`' if value == "" else f"`{value}`"
+    if isinstance(value, list):
+        return "`[" + ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in value) + "]`"
+    return f"`{value!r}`"
+
+
+def _number(value: float) -> str:
+    """A bound as written: whole numbers without a fraction, 2147483647 not 2.1e9."""
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+def _type_name(value: Any) -> str:
+    if isinstance(value, Parameter.Type):
+        return {Parameter.Type.STRING_ARRAY: "string[]", Parameter.Type.BOOL_ARRAY: "bool[]",
+                Parameter.Type.DOUBLE_ARRAY: "double[]", Parameter.Type.INTEGER_ARRAY: "integer[]"}[value]
+    if isinstance(value, list):
+        return {bool: "bool[]", str: "string[]", float: "double[]", int: "integer[]"}[type(value[0])] + ""
+    return {bool: "bool", str: "string", float: "double", int: "integer"}[type(value)]
+
+
+def _range_text(knob: Knob) -> str:
+    if knob.choices:
+        return ", ".join(f"`{c}`" if c else '`""`' for c in knob.choices)
+    if knob.low is None and knob.high is None:
+        return ""
+    low = "" if knob.low is None else f"{'(' if knob.low_open else '['}{_number(knob.low)}"
+    high = "" if knob.high is None else f"{_number(knob.high)}]"
+    text = f"{low}, {high}"
+    if knob.off is not None:
+        text += f" or {_number(knob.off)} (off)"
+    return text
+
+
+def markdown() -> str:
+    """The parameter page (docs/parameters.md), generated from :data:`DECLARATIONS`."""
+    lines = [
+        "# oxygen_node parameters",
+        "",
+        "<!-- Generated by `python -m oxygen_ros.node.parameters --markdown > docs/parameters.md` from the",
+        "     declarations in oxygen_ros/node/parameters.py and oxygen_ros/engine/config.py; do not edit. -->",
+        "",
+        "One name per setting: the engine's configuration fields (`oxygen_ros/engine/config.py`) are the",
+        "parameters `engine.<field>`; the action task's fields are top-level (`control_rate_hz`,",
+        "`num_denoise_steps`, `noise_seed`) and `cuda_graphs` sits with the model; a language task's fields",
+        "are `speech.<field>` / `memory.<field>` (a nested field as `speech.trigger.every_s`). The engine YAML",
+        "(`EngineConfig.from_yaml`) and the benchmark flags (`--kv-budget-mb`, `--action-horizon`, ...) use",
+        "the same names and units.",
+        "",
+        "**Applies** says when a change takes effect:",
+        "",
+        "- *next use*: accepted in every lifecycle state, read at its next use (the next control cycle,",
+        "  instruction, output or status period);",
+        "- *next configure*: a runtime knob, accepted while the node is unconfigured (before the first",
+        "  `configure`, or after `cleanup`) and applied by the next `configure`; refused with the reason",
+        "  while the node is inactive or active;",
+        "- *structural*: model, robot, cameras and topics; accepted and refused like *next configure*;",
+        "- *start-up*: read-only, acts only when the node starts.",
+        "",
+        "Ranges are inclusive (`(` excludes the bound: the engine checks it at configure); the descriptor",
+        "(`ros2 param describe /oxygen_node <name>`) carries the same description, range and rule.",
+    ]
+    sections: dict[str, list[Declaration]] = {}
+    for declaration in DECLARATIONS.values():
+        sections.setdefault(declaration.section, []).append(declaration)
+    for section, declarations in sections.items():
+        lines += ["", f"## {section}", "", "| name | type | default | range | unit | applies | description |",
+                  "|---|---|---|---|---|---|---|"]
+        for d in declarations:
+            doc = d.knob.doc.replace("|", "\\|").replace("<", "\\<")
+            lines.append(f"| `{d.name}` | {_type_name(d.default)} | {_cell(d.default)} | {_range_text(d.knob)} | "
+                         f"{d.knob.unit} | {d.knob.when} | {doc} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m oxygen_ros.node.parameters",
+                                     description="oxygen_node's parameters")
+    parser.add_argument("--markdown", action="store_true", help="print docs/parameters.md")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(markdown())
+    else:
+        for name, declaration in DECLARATIONS.items():
+            print(f"{name} = {declaration.default!r}  ({declaration.knob.when})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

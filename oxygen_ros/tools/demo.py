@@ -74,8 +74,8 @@ def node_parameters(args: argparse.Namespace) -> dict:
         "staleness_limit_s": args.staleness,
         "instruction_topic": "/instruction", "joint_states_topic": "/joint_states",
         "control_rate_hz": args.control_rate,
-        "speech.trigger_every_s": args.speech_every,
-        "memory.trigger_every_s": args.memory_every,
+        "speech.trigger.every_s": args.speech_every,
+        "memory.trigger.every_s": args.memory_every,
     }
     if args.language_prompt == "shared":
         # Speech and memory read the action task's prefix KV: one prefill per frame serves all three tasks

@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "camera_slots": ["base_0_rgb", "left_wrist_0_rgb"], "camera_transports": ["raw", "raw"],
         "camera_reliability": ["best_effort", "best_effort"], "camera_required": [True, False],
         "control_rate_hz": args.control_rate, "staleness_limit_s": 1.0, "action_dt_s": 0.1,
-        "speech.trigger_every_s": 3.0, "memory.trigger_every_s": 3.0,
+        "speech.trigger.every_s": 3.0, "memory.trigger.every_s": 3.0,
         "publish_trajectory": True, "trajectory_stamp_policy": "observation",
         "trajectory_joint_names": joints[:6], "expired_output_policy": "withhold",
         # delivery to the monitor on this loaded machine: the check happens at publication, the monitor's at receipt
