@@ -7,7 +7,10 @@ fp32 summation order):
 * **Linears** (:class:`Linear`, :func:`linear`): a small-row CPU product ``(W @ xᵀ)ᵀ`` for decode
   steps of up to :data:`SMALL_M_ROWS` requests; oneDNN-prepacked weights for fp32 CPU inputs of at
   least :data:`PACKED_MIN_ROWS` rows under ``torch.inference_mode`` (switch:
-  :func:`use_packed_weights`); ``F.linear`` elsewhere.
+  :func:`use_packed_weights`); ``F.linear`` elsewhere. Linears that read the same input (Q/K/V,
+  gate/up) run as one product (:class:`LinearGroup`; switch: :func:`use_fused_projections`).
+* **Threads** (:func:`threads_for`): a denoising loop or decode step of few rows runs on one
+  intra-op thread (switch: :func:`use_one_thread_for_small_forwards`).
 * **Few-query attention** (:func:`few_query_attention`, a decode step's attention): the native
   decode-attention kernel (:mod:`oxygen_ros.models.native` builds and runs it; switch:
   :func:`use_native_attention`), else the cascade over a prefix shared by all rows
@@ -20,7 +23,9 @@ default. ``OXYGEN_NATIVE_KERNELS=0`` keeps the native kernel from being built at
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +35,8 @@ from oxygen_ros.models import native
 
 _LOG = logging.getLogger(__name__)
 _NATIVE = {"enabled": True}
+_FUSING = {"enabled": True}
+_ONE_THREAD = {"enabled": True}
 
 
 # Rows up to which :func:`linear` computes ``(W @ xᵀ)ᵀ`` on the CPU instead of ``x @ Wᵀ``.
@@ -129,6 +136,123 @@ class Linear(nn.Linear):
                 _PACKING["available"] = False
                 return None
         return self._packed[1]
+
+
+class LinearGroup:
+    """Bias-free :class:`Linear` layers that read the same input (Q/K/V, gate/up), computed as one
+    product ``x @ [W_1; W_2; ...]ᵀ`` on the CPU under ``torch.inference_mode`` and split per layer.
+
+    One product instead of several reads ``x`` once and pays the per-call cost (MKL or oneDNN
+    dispatch, thread fork/join) once: per Gemma layer 4 calls instead of 7. The concatenated weight
+    is a copy, made on first use (prepacked for oneDNN like :class:`Linear`'s from
+    :data:`PACKED_MIN_ROWS` fp32 rows) and remade when a weight changes; it costs one more copy of
+    those weights in memory. Elsewhere (grad mode, other devices, :func:`use_fused_projections`
+    off) each layer runs on its own. Each output element is the same dot product either way; the
+    values agree up to fp32 summation order.
+
+    Args:
+        layers: :class:`Linear` layers without bias, of the same ``in_features``.
+
+    Raises:
+        ValueError: a layer with a bias, or different ``in_features``.
+    """
+
+    def __init__(self, *layers: Linear):
+        if any(layer.bias is not None for layer in layers) or len({layer.in_features for layer in layers}) != 1:
+            raise ValueError("LinearGroup takes bias-free linears of one input width")
+        self.layers = layers
+        self.sizes = [layer.out_features for layer in layers]
+        self._weight: tuple[tuple, torch.Tensor] | None = None
+        self._packed: tuple[tuple, torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's output for ``x [..., in]``: ``[..., out_i]`` (views of one product when fused)."""
+        if not (_FUSING["enabled"] and torch.is_inference_mode_enabled() and x.device.type == "cpu"):
+            return [layer(x) for layer in self.layers]
+        rows = x.numel() // max(1, x.shape[-1])
+        key = tuple((layer.weight.data_ptr(), layer.weight._version) for layer in self.layers)
+        weight = self._fused(key)
+        out = None
+        if rows >= PACKED_MIN_ROWS and self.layers[0]._packable(x):
+            packed = self._packed_weight(key, weight)
+            if packed is not None:
+                out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, None, "none", [], "")
+        if out is None:
+            out = linear(x, weight)
+        return list(out.reshape(*x.shape[:-1], sum(self.sizes)).split(self.sizes, dim=-1))
+
+    def _fused(self, key: tuple) -> torch.Tensor:
+        if self._weight is None or self._weight[0] != key:
+            self._weight = (key, torch.cat([layer.weight.detach() for layer in self.layers]))
+            self._packed = None
+        return self._weight[1]
+
+    def _packed_weight(self, key: tuple, weight: torch.Tensor) -> torch.Tensor | None:
+        if self._packed is None or self._packed[0] != key:
+            try:
+                self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT))
+            except RuntimeError as error:
+                _LOG.warning("oneDNN weight packing failed, using F.linear: %s", error)
+                _PACKING["available"] = False
+                return None
+        return self._packed[1]
+
+
+def use_fused_projections(enabled: bool) -> None:
+    """Turn :class:`LinearGroup`'s fused products on or off for this process (A/B measurements).
+    Raises TypeError on a non-bool."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _FUSING["enabled"] = enabled
+
+
+def fused_projections_in_use() -> bool:
+    """The setting of :func:`use_fused_projections` (True by default)."""
+    return bool(_FUSING["enabled"])
+
+
+# Token rows per layer up to which a CPU forward (a denoising loop, a decode step) runs on one
+# intra-op thread (see :func:`threads_for`).
+ONE_THREAD_MAX_ROWS = 32
+
+
+def use_one_thread_for_small_forwards(enabled: bool) -> None:
+    """Turn :func:`threads_for`'s one-thread rule on or off for this process (A/B measurements).
+    Raises TypeError on a non-bool."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _ONE_THREAD["enabled"] = enabled
+
+
+def one_thread_for_small_forwards_in_use() -> bool:
+    """The setting of :func:`use_one_thread_for_small_forwards` (True by default)."""
+    return bool(_ONE_THREAD["enabled"])
+
+
+@contextlib.contextmanager
+def threads_for(rows: int, device: torch.device) -> Iterator[None]:
+    """Within the block, torch runs on one intra-op thread when a forward on the CPU has at most
+    :data:`ONE_THREAD_MAX_ROWS` token rows per layer (the rule is on, the process has more than one
+    thread); the setting is restored afterwards.
+
+    Every parallel op ends at a barrier that waits for all of torch's threads. The ops of a
+    denoising loop (10 action rows) or a decode step do microseconds of work each, so on an idle
+    machine the fork/join is a large share of them, and on a loaded one (more runnable threads than
+    cores, e.g. a robot computer running its other nodes) a barrier waits for a descheduled thread
+    for a scheduler time slice, per op. Measured on 2 shared cores at load 11-14 (π0.5-tiny,
+    780-token prefix): the denoising loop took 1.8 s on 2 threads and 96 ms on 1; a 30-request decode
+    step 560 ms and 79 ms. ``torch.set_num_threads`` is process-wide: other torch work running
+    concurrently in the process runs on one thread meanwhile.
+    """
+    threads = torch.get_num_threads()
+    if not (_ONE_THREAD["enabled"] and threads > 1 and rows <= ONE_THREAD_MAX_ROWS and device.type == "cpu"):
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def use_native_attention(enabled: bool) -> None:

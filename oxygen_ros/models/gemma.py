@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oxygen_ros.models import cpu_fast_paths
-from oxygen_ros.models.cpu_fast_paths import Linear
+from oxygen_ros.models.cpu_fast_paths import Linear, LinearGroup
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,6 +82,8 @@ class GemmaAttentionProjections(nn.Module):
         self.k_proj = Linear(width, num_kv_heads * head_dim, bias=False)
         self.v_proj = Linear(width, num_kv_heads * head_dim, bias=False)
         self.o_proj = Linear(num_heads * head_dim, width, bias=False)
+        # Q, K and V read the same input: one product where the CPU fast paths allow.
+        self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)
 
 
 class GeGLU(nn.Module):
@@ -92,9 +94,11 @@ class GeGLU(nn.Module):
         self.gate_proj = Linear(width, hidden, bias=False)
         self.up_proj = Linear(width, hidden, bias=False)
         self.down_proj = Linear(hidden, width, bias=False)
+        self.gate_up = LinearGroup(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class GemmaLayer(nn.Module):
@@ -126,10 +130,9 @@ class GemmaLayer(nn.Module):
         h, gate = self.input_layernorm(x, modulation)
         a = self.self_attn
         b, t = x.shape[:2]
-        q = a.q_proj(h).view(b, t, a.num_heads, a.head_dim)
-        k = a.k_proj(h).view(b, t, a.num_kv_heads, a.head_dim)
-        v = a.v_proj(h).view(b, t, a.num_kv_heads, a.head_dim)
-        return q, k, v, gate
+        q, k, v = a.qkv(h)
+        return (q.view(b, t, a.num_heads, a.head_dim), k.view(b, t, a.num_kv_heads, a.head_dim),
+                v.view(b, t, a.num_kv_heads, a.head_dim), gate)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor, attn_gate: torch.Tensor | None,
                modulation: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,6 +194,15 @@ class AttentionMask:
         self.mask = mask
         self._folded: dict[int, torch.Tensor] = {}
         self._additive: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._all_visible: bool | None = None
+
+    def all_visible(self) -> bool:
+        """True when every query may attend to every key (checked once), so :func:`attention` can
+        run SDPA without a mask. On the CPU only: elsewhere False without looking, as the check
+        would synchronise with the device (and cannot run inside a CUDA graph capture)."""
+        if self._all_visible is None:
+            self._all_visible = self.mask.device.type == "cpu" and bool(self.mask.all())
+        return self._all_visible
 
     def folded(self, group: int) -> torch.Tensor:
         """bool ``[B, 1, group·T, L]``: the mask of each query token repeated for the ``group``
@@ -230,8 +242,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     batched matmul against ``heads/kv_heads · T`` queries. With at most
     :data:`oxygen_ros.models.cpu_fast_paths.FEW_QUERIES` folded queries (a decode step)
     :func:`oxygen_ros.models.cpu_fast_paths.few_query_attention` serves it (native kernel, cascade
-    over a shared prefix, or two batched matmuls); otherwise SDPA with an additive mask (its softmax
-    accumulates in fp32). All are exact.
+    over a shared prefix, or two batched matmuls); otherwise SDPA with an additive mask, or none
+    when every key is visible (its softmax accumulates in fp32). All are exact.
     """
     if not isinstance(mask, AttentionMask):
         mask = AttentionMask(mask)
@@ -242,6 +254,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if group * t <= cpu_fast_paths.FEW_QUERIES:
         out = cpu_fast_paths.few_query_attention(q * hd ** -0.5, k, v, mask, shared_prefix, t)
     else:
+        # A prefix prefill (one bidirectional block, no padding) sees every key: no mask to build
+        # (9.7 MB for 780 tokens) and read in every layer.
         out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask.additive(group, q.dtype))
+                                             attn_mask=None if mask.all_visible() else mask.additive(group, q.dtype))
     return out.view(b, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, heads * hd)

@@ -33,7 +33,7 @@ from .config import VLAConfig
 from .cuda_graphs import GraphCache, round_up
 from .gemma import (AdaRMSNorm, AttentionMask, GemmaStack, RMSNorm, apply_rope, attention, rope_cos_sin,
                     rope_inverse_frequencies)
-from . import native
+from . import cpu_fast_paths, native
 from .kv_cache import KVCacheView
 
 
@@ -343,7 +343,8 @@ class VLAModel(nn.Module):
             kv: view with ``new_lens`` all 1; rows may have different prefixes and lengths.
 
         Returns:
-            fp32 logits ``[B, vocab]`` of the next token (tied LM head).
+            fp32 logits ``[B, vocab]`` of the next token (tied LM head). On the CPU a step of few
+            requests runs on one intra-op thread (:func:`oxygen_ros.models.cpu_fast_paths.threads_for`).
 
         Raises:
             ValueError: ``token_ids`` not ``[B]`` or ``new_lens`` not all 1.
@@ -355,8 +356,9 @@ class VLAModel(nn.Module):
             raise ValueError(f"decode_step needs new_lens all 1, got {kv.new_lens.tolist()}")
         embeds = self.embed_tokens(token_ids)[:, None, :]
         new_mask = torch.ones(token_ids.shape[0], 1, 1, dtype=torch.bool, device=self.device)
-        hidden = self._vlm_cached(embeds, kv, new_mask)
-        return self._lm_logits(self.vlm.norm(hidden[:, 0])[0])
+        with cpu_fast_paths.threads_for(token_ids.shape[0], self.device):
+            hidden = self._vlm_cached(embeds, kv, new_mask)
+            return self._lm_logits(self.vlm.norm(hidden[:, 0])[0])
 
     def _vlm_cached(self, x: torch.Tensor, kv: KVCacheView, new_mask: torch.Tensor) -> torch.Tensor:
         """VLM layers over new tokens ``x [B, T, W]`` with cached K/V; ``new_mask [B, T, T]`` among new.
@@ -429,7 +431,9 @@ class VLAModel(nn.Module):
         (pi05-facts.md). Action tokens sit at positions ``cached_lens + [0..H-1]`` (π0: the state
         token at ``cached_lens``, actions after it) and attend to every valid prefix token and to each
         other. The prefix K/V of all layers is read once, before the loop. With
-        :meth:`enable_cuda_graphs` on a CUDA device the loop is replayed from a CUDA graph.
+        :meth:`enable_cuda_graphs` on a CUDA device the loop is replayed from a CUDA graph; on the
+        CPU a loop of few action rows runs on one intra-op thread
+        (:func:`oxygen_ros.models.cpu_fast_paths.threads_for`).
 
         Args:
             kv: read-only view of the prefix (``new_lens`` all 0).
@@ -465,7 +469,8 @@ class VLAModel(nn.Module):
         state = None if state is None else state.to(self.device, self.dtype)
         if self._graphs is not None and self.device.type == "cuda":
             return self._denoise_graphed(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
-        return self._denoise_loop(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
+        with cpu_fast_paths.threads_for(b * horizon, self.device):
+            return self._denoise_loop(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
 
     def _denoise_graphed(self, prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state):
         """:meth:`_denoise_loop` replayed from a CUDA graph of the prefix length's bucket.
