@@ -1,8 +1,9 @@
 """The models' CPU fast paths and their process-wide switches, in one place.
 
-Gemma's maths (:mod:`oxygen_ros.models.gemma`) calls two seams here; what serves each call depends
-on the device, dtype, shape and the switches below, never on the values (every path is exact up to
-fp32 summation order):
+Gemma's maths (:mod:`oxygen_ros.models.gemma`) calls the linears and the few-query attention here,
+:class:`oxygen_ros.models.vla.VLAModel` the thread rule; what serves each call depends on the
+device, dtype, shape and the switches below, never on the values (every path is exact up to fp32
+summation order):
 
 * **Linears** (:class:`Linear`, :func:`linear`): a small-row CPU product ``(W @ xᵀ)ᵀ`` for decode
   steps of up to :data:`SMALL_M_ROWS` requests; oneDNN-prepacked weights for fp32 CPU inputs of at
@@ -16,8 +17,9 @@ fp32 summation order):
   :func:`use_native_attention`), else the cascade over a prefix shared by all rows
   (:func:`cascade_attention`), else two batched matmuls with an fp32 softmax.
 
-The switches exist for A/B measurements (the benchmarks' ``--torch-kernels``); both are on by
-default. ``OXYGEN_NATIVE_KERNELS=0`` keeps the native kernel from being built at all (see
+The switches exist for A/B measurements and are all on by default: the benchmarks'
+``--torch-kernels`` turns off the native attention and the packed weights, the roofline bench's
+``--compare`` (:mod:`oxygen_ros.bench.roofline`) the fused products and the thread rule. ``OXYGEN_NATIVE_KERNELS=0`` keeps the native kernel from being built at all (see
 :mod:`oxygen_ros.models.native`).
 """
 
