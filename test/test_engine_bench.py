@@ -45,14 +45,14 @@ def test_engine_bench_smoke(tmp_path, capsys):
 
 
 def test_engine_bench_torch_kernels_switch_is_reported_and_undone(tmp_path, capsys):
-    from oxygen_ros.models import gemma, native
+    from oxygen_ros.models import cpu_fast_paths, native
 
     out = tmp_path / "bench.json"
     assert engine_bench.main(["--frames", "1", "--warmup", "0", "--n", "2", "--k", "1", "--rounds", "1",
                               "--deadline-frames", "1", "--torch-kernels", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["cpu_kernels"] == "torch paths (--torch-kernels)"
     assert "torch paths (--torch-kernels)" in capsys.readouterr().out
-    assert native.in_use() and gemma.packed_weights_in_use()     # the process's setting is restored
+    assert cpu_fast_paths.native_attention_in_use() and cpu_fast_paths.packed_weights_in_use()     # the process's setting is restored
 
 
 def test_engine_bench_rejects_bad_arguments_before_building_the_model(tmp_path, capsys):

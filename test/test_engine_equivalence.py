@@ -6,6 +6,7 @@ import torch
 
 from oxygen_ros.engine import Engine, RequestStatus
 from oxygen_ros.models import load_model
+from oxygen_ros.models.reference import reference_generate
 from engine_support import MEMORY, SPEECH, ByteProcessor, engine_config, observation
 
 FRAMES = 20
@@ -74,7 +75,7 @@ def test_greedy_text_matches_the_cache_free_reference(model):
     ids = torch.tensor([proc.prompt_ids(SPEECH["prompt_template"], obs.instruction, obs.state)])
     embeds = torch.cat((features.reshape(1, -1, features.shape[-1]), model.embed_tokens(ids)), 1)
     mask = torch.ones(embeds.shape[:2], dtype=torch.bool)
-    reference = model.reference_generate(embeds, mask, SPEECH["max_new_tokens"])
+    reference = reference_generate(model, embeds, mask, SPEECH["max_new_tokens"])
     assert text[("speech", 0)].token_ids == reference[0].tolist()
 
 

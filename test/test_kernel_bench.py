@@ -6,7 +6,7 @@ import json
 import pytest
 
 from oxygen_ros.bench import kernel_bench
-from oxygen_ros.models import gemma, native
+from oxygen_ros.models import cpu_fast_paths, native
 
 
 @pytest.mark.skipif(not native.enabled_by_environment(), reason="native kernels turned off by OXYGEN_NATIVE_KERNELS")
@@ -22,7 +22,7 @@ def test_kernel_bench_smoke_covers_every_build_and_restores_the_switches(tmp_pat
     assert all(results["attention"][name] > 0 for name in names) and results["attention"]["keys"] == 20
     table = capsys.readouterr().out
     assert "3-row / 1-row, shared prefix" in table and "native " + native.variants()[0] in table
-    assert native.in_use() and gemma.packed_weights_in_use() and native.active_variant() == (
+    assert cpu_fast_paths.native_attention_in_use() and cpu_fast_paths.packed_weights_in_use() and native.active_variant() == (
         native.variants()[0] if native.variants()[0] != "default" else None)
 
 

@@ -16,13 +16,13 @@ def test_model_bench_prints_one_row_of_timings(capsys):
 
 
 def test_model_bench_torch_kernels_switch(capsys):
-    from oxygen_ros.models import gemma, native
+    from oxygen_ros.models import cpu_fast_paths, native
 
     model_bench.main(["--presets", "pi0_tiny", "--cameras", "1", "--prompt-len", "4", "--num-denoise-steps", "1",
                       "--decode-batch", "9", "--warmup", "0", "--repeats", "1", "--torch-kernels"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("(torch paths (--torch-kernels))") and lines[-1].split()[0] == "pi0_tiny"
-    assert native.in_use() and gemma.packed_weights_in_use()
+    assert cpu_fast_paths.native_attention_in_use() and cpu_fast_paths.packed_weights_in_use()
 
 
 @pytest.mark.parametrize("argv", [["--repeats", "0"], ["--num-denoise-steps", "0"], ["--cameras", "0"], ["--threads", "-1"],

@@ -1,5 +1,5 @@
 """The CPU fast paths: the native decode attention (oxygen_ros/models/native.py,
-csrc/decode_attention.cpp) and the oneDNN-prepacked weights of gemma.Linear.
+csrc/decode_attention.cpp) and the oneDNN-prepacked weights of cpu_fast_paths.Linear.
 
 The kernel tests run every build of the kernel that this CPU can execute (native.variants(): on an
 AVX-512 machine the avx512, avx2 and generic builds, on an AVX2 machine avx2 and generic, on aarch64
@@ -19,8 +19,9 @@ import torch
 
 from oxygen_ros.models import native
 from oxygen_ros.models.config import get_preset
-from oxygen_ros.models import gemma
-from oxygen_ros.models.gemma import AttentionMask, Linear, attention, linear
+from oxygen_ros.models import cpu_fast_paths
+from oxygen_ros.models.cpu_fast_paths import Linear, linear
+from oxygen_ros.models.gemma import AttentionMask, attention
 from oxygen_ros.models.kv_cache import DenseKVCache
 from oxygen_ros.models.vla import VLAModel
 from test_model_cascade import naive_attention   # the fp64 reference attention
@@ -84,7 +85,7 @@ def test_this_cpu_has_a_simd_build_of_the_kernel_and_it_loads():
         assert native.load() and native.status() == "loaded"
         assert native.supports(64, 4)
     else:   # no SIMD build for this CPU: the torch path serves, and says why
-        assert not native.supports(64, 4) and "neither AVX2 nor NEON" in native.status()
+        assert not cpu_fast_paths.native_attention_supports(64, 4) and "neither AVX2 nor NEON" in native.status()
 
 
 @needs_kernel
@@ -120,12 +121,12 @@ def test_native_attention_agrees_with_the_torch_path_and_rows_are_independent(va
     q, k, v, mask = _case(12, 1, 4, 1, 64, 300, 3)
     with torch.inference_mode():
         fast = attention(q, k, v, mask)
-        native.use(False)
+        cpu_fast_paths.use_native_attention(False)
         try:
-            assert not native.supports(64, 4)
+            assert not cpu_fast_paths.native_attention_supports(64, 4)
             plain = attention(q, k, v, mask)
         finally:
-            native.use(True)
+            cpu_fast_paths.use_native_attention(True)
         torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
         # A row's result does not depend on the other rows of the batch (same padded length): the
         # same bits alone, first, last or among others.
@@ -278,13 +279,13 @@ def test_a_build_lock_left_by_a_killed_build_does_not_block_loading():
 def test_supports_declines_what_the_kernel_cannot_serve():
     assert not native.supports(60, 4)        # head_dim not a multiple of 16
     assert not native.supports(64, 3)        # 3 folded queries
-    native.use(False)
+    cpu_fast_paths.use_native_attention(False)
     try:
-        assert not native.supports(64, 4)
+        assert not cpu_fast_paths.native_attention_supports(64, 4)
     finally:
-        native.use(True)
+        cpu_fast_paths.use_native_attention(True)
     with pytest.raises(TypeError):
-        native.use("no")
+        cpu_fast_paths.use_native_attention("no")
 
 
 def test_decode_step_logits_are_the_same_with_and_without_the_native_kernel():
@@ -295,7 +296,7 @@ def test_decode_step_logits_are_the_same_with_and_without_the_native_kernel():
     lens = torch.tensor([40, 31, 17])
     results = []
     for use in (True, False):
-        native.use(use)
+        cpu_fast_paths.use_native_attention(use)
         try:
             kv = DenseKVCache(cfg.vlm_num_layers, 3, cfg.num_kv_heads, cfg.head_dim)
             model.prefill(embeds, kv.begin(lens), lens, need_logits=False)
@@ -307,11 +308,11 @@ def test_decode_step_logits_are_the_same_with_and_without_the_native_kernel():
                 kv.commit()
             results.append(torch.stack(steps))
         finally:
-            native.use(True)
+            cpu_fast_paths.use_native_attention(True)
     torch.testing.assert_close(results[0], results[1], atol=1e-4, rtol=1e-5)
 
 
-needs_packing = pytest.mark.skipif(not gemma.packed_weights_available(), reason="no oneDNN linear ops in this torch")
+needs_packing = pytest.mark.skipif(not cpu_fast_paths.packed_weights_available(), reason="no oneDNN linear ops in this torch")
 
 
 @needs_packing
@@ -319,10 +320,10 @@ def test_packed_linear_matches_f_linear_and_follows_weight_changes():
     torch.manual_seed(0)
     layer = Linear(96, 40, bias=True)
     with torch.inference_mode():
-        x = torch.randn(gemma.PACKED_MIN_ROWS - 1, 96)   # below the threshold: F.linear, nothing packed
+        x = torch.randn(cpu_fast_paths.PACKED_MIN_ROWS - 1, 96)   # below the threshold: F.linear, nothing packed
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
         assert layer._packed is None
-        for rows in (gemma.PACKED_MIN_ROWS, 30, 571):
+        for rows in (cpu_fast_paths.PACKED_MIN_ROWS, 30, 571):
             x = torch.randn(rows, 96)
             out = layer(x)
             assert layer._packed is not None            # the packed path served it
@@ -345,12 +346,12 @@ def test_linear_keeps_autograd_and_the_switch_turns_packing_off():
     x = torch.randn(30, 32, requires_grad=True)
     layer(x).sum().backward()                           # grad mode: F.linear, gradients flow
     assert x.grad is not None and layer.weight.grad is not None
-    gemma.use_packed_weights(False)
+    cpu_fast_paths.use_packed_weights(False)
     try:
         with torch.inference_mode():
             x = torch.randn(30, 32)
             assert torch.equal(layer(x), linear(x, layer.weight))
     finally:
-        gemma.use_packed_weights(True)
+        cpu_fast_paths.use_packed_weights(True)
     with pytest.raises(TypeError):
-        gemma.use_packed_weights(1)
+        cpu_fast_paths.use_packed_weights(1)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from oxygen_ros.models import DenseKVCache, load_model
+from oxygen_ros.models.reference import reference_actions, reference_generate, reference_logits
 
 CAMERAS = 2
 
@@ -63,7 +64,7 @@ def test_cached_actions_equal_reference(model):
     noise = torch.randn(2, model.config.action_horizon, 32, generator=torch.Generator().manual_seed(5))
     state = _state(model, 2, 6)
     cached = model.denoise(kv.begin(None), noise, num_steps=10, state=state)
-    reference = model.reference_actions(*_unpacked(model, *obs), noise, num_steps=10, state=state)
+    reference = reference_actions(model, *_unpacked(model, *obs), noise, num_steps=10, state=state)
     assert cached.shape == (2, model.config.action_horizon, 32) and cached.dtype == torch.float32
     assert (cached - reference).abs().max() < 1e-5
     assert not torch.equal(cached[0], cached[1])
@@ -101,7 +102,7 @@ def test_greedy_text_cached_equals_reference(pi05):
         kv.commit()
         tokens.append(logits.argmax(-1))
     cached = torch.stack(tokens, dim=1)
-    reference = pi05.reference_generate(*_unpacked(pi05, *obs), max_new_tokens=6)
+    reference = reference_generate(pi05, *_unpacked(pi05, *obs), max_new_tokens=6)
     assert torch.equal(cached, reference)
 
 
@@ -110,7 +111,7 @@ def test_prefill_logits_and_pooled_hidden(pi05):
     embeds, lens, _ = pi05.embed_prefix(*obs)
     kv = DenseKVCache(pi05.config.vlm_num_layers, 2, pi05.config.num_kv_heads, pi05.config.head_dim)
     logits, pooled = pi05.prefill(embeds, kv.begin(lens), lens, return_hidden=True)
-    reference = pi05.reference_logits(*_unpacked(pi05, *obs))
+    reference = reference_logits(pi05, *_unpacked(pi05, *obs))
     assert logits.dtype == torch.float32 and logits.shape == (2, pi05.config.vocab_size)
     assert (logits - reference).abs().max() < 1e-4
     assert pooled.shape == (2, pi05.config.vlm_width)
@@ -150,7 +151,7 @@ def test_causal_prompt_fork_equals_one_shot_prefill(pi05_causal):
             assert torch.allclose(a, b, atol=1e-5)
     embeds, mask = _unpacked(model, images, cams, ids, token_mask)
     starts = torch.cat((torch.zeros(1, 2 * 256, dtype=torch.bool), token_mask), dim=1)
-    reference = model.reference_logits(embeds, mask, prefix_block_start=starts)
+    reference = reference_logits(model, embeds, mask, prefix_block_start=starts)
     assert (reference - one_shot_logits).abs().max() < 1e-4
 
 

@@ -8,7 +8,7 @@ from typing import Iterator
 
 import torch
 
-from oxygen_ros.models import gemma, native
+from oxygen_ros.models import cpu_fast_paths, native
 from oxygen_ros.models.config import VLAConfig
 
 
@@ -16,14 +16,14 @@ from oxygen_ros.models.config import VLAConfig
 def cpu_kernel_choice(torch_kernels: bool) -> Iterator[None]:
     """Within the block, the CPU decode attention and linears take the plain torch / MKL paths
     (``torch_kernels``) or the native kernel and oneDNN-packed weights; restored afterwards."""
-    saved = native.in_use(), gemma.packed_weights_in_use()
-    native.use(not torch_kernels)
-    gemma.use_packed_weights(not torch_kernels)
+    saved = cpu_fast_paths.native_attention_in_use(), cpu_fast_paths.packed_weights_in_use()
+    cpu_fast_paths.use_native_attention(not torch_kernels)
+    cpu_fast_paths.use_packed_weights(not torch_kernels)
     try:
         yield
     finally:
-        native.use(saved[0])
-        gemma.use_packed_weights(saved[1])
+        cpu_fast_paths.use_native_attention(saved[0])
+        cpu_fast_paths.use_packed_weights(saved[1])
 
 
 def cpu_kernels(device: str | torch.device, config: VLAConfig, torch_kernels: bool) -> str | None:
@@ -35,6 +35,6 @@ def cpu_kernels(device: str | torch.device, config: VLAConfig, torch_kernels: bo
         return "torch paths (--torch-kernels)"
     group = config.num_heads // config.num_kv_heads
     attention = (f"native decode attention ({native.active_variant()})"
-                 if native.supports(config.head_dim, group) else f"torch decode attention (native {native.status()})")
-    linears = "oneDNN-packed weights" if gemma.packed_weights_available() else "MKL linears (no oneDNN ops)"
+                 if cpu_fast_paths.native_attention_supports(config.head_dim, group) else f"torch decode attention (native {native.status()})")
+    linears = "oneDNN-packed weights" if cpu_fast_paths.packed_weights_available() else "MKL linears (no oneDNN ops)"
     return f"{attention}, {linears}"

@@ -37,7 +37,7 @@ from oxygen_ros.bench.cpu_paths import cpu_kernel_choice
 from oxygen_ros.engine import BlockPool, KVCacheManager
 from oxygen_ros.engine.model_runner import ModelRunner
 from oxygen_ros.engine.processing import ModelProcessor
-from oxygen_ros.models import PRESETS, ROBOTS, gemma, get_preset, get_robot, load_model, load_tokenizer, native
+from oxygen_ros.models import PRESETS, ROBOTS, cpu_fast_paths, get_preset, get_robot, load_model, load_tokenizer, native
 from oxygen_ros.models.gemma import attention
 from oxygen_ros.models.processing import Processor
 from oxygen_ros.bench.engine_bench import decode_rows
@@ -50,8 +50,8 @@ def settings() -> list[str]:
 
 def _apply(setting: str) -> None:
     """Switch this process to ``setting`` (see :func:`settings`)."""
-    gemma.use_packed_weights(setting != "torch")
-    native.use(setting != "torch")
+    cpu_fast_paths.use_packed_weights(setting != "torch")
+    cpu_fast_paths.use_native_attention(setting != "torch")
     native.select(None if setting == "torch" else setting.split()[1])
 
 

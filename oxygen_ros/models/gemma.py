@@ -12,18 +12,18 @@ Formulas (docs/models.md, "Gemma formulas"; Gemma and openpi reference implement
 
 A :class:`GemmaLayer` exposes the two halves of a decoder layer (:meth:`GemmaLayer.project_qkv` before
 attention and :meth:`GemmaLayer.finish` after it) so that the caller can run one attention over the
-tokens of two experts (MoT), or over cached keys and values.
+tokens of two experts (MoT), or over cached keys and values. Its linears (:class:`Linear`) and its
+decode-step attention take the CPU fast paths of :mod:`oxygen_ros.models.cpu_fast_paths`.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oxygen_ros.models import native
+from oxygen_ros.models import cpu_fast_paths
+from oxygen_ros.models.cpu_fast_paths import Linear, LinearGroup
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,106 +72,6 @@ class AdaRMSNorm(nn.Module):
         return y.to(x.dtype), gate.to(x.dtype)
 
 
-# Rows up to which :func:`linear` computes ``(W @ xᵀ)ᵀ`` on the CPU instead of ``x @ Wᵀ``.
-SMALL_M_ROWS = 8
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weightᵀ (+ bias)`` for ``x [..., in]``, ``weight [out, in]`` -> ``[..., out]``.
-
-    On the CPU with at most :data:`SMALL_M_ROWS` rows (decode steps of up to 8 requests) it is
-    computed as ``(weight @ xᵀ)ᵀ``. Measured with MKL on 2 x86 cores with the weights streamed from
-    DRAM, as in a decode step that reads every weight once: ``x @ Wᵀ`` costs 1.3-1.5x more for 2-4
-    rows than for 1 (the weight is streamed about once per row), ``W @ xᵀ`` stays within 10 % of
-    the 1-row cost; whole decode steps of 2-8 requests ran 5-25 % faster, of 12-16 no faster, and
-    the denoising loop (10 rows, weights hot in cache) slower, hence the limit of 8. The values
-    agree up to fp32 summation order. Elsewhere (more rows, GPUs) it is ``F.linear``.
-    """
-    rows = x.numel() // max(1, x.shape[-1])
-    if x.device.type != "cpu" or rows > SMALL_M_ROWS or rows == 0:
-        return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t()
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-# Row count for which the prepacked copies of :class:`Linear` weights are laid out (oneDNN picks the
-# blocking for it; other row counts run on the same copy). Measured on 2 x86 cores (fp32, the
-# pi05_tiny layer shapes): packed for 32 rows, a set of projections took 0.5-0.6x of ``F.linear``'s
-# (MKL) time at 9-64 rows and 0.7x at 571 (a prefill); packed for 1 row, no gain above 9 rows.
-PACK_ROWS_HINT = 32
-# Fewest rows for which :class:`Linear` uses the packed copy. Each oneDNN call costs about 20 us
-# more than MKL's, which small products with their weights hot in cache do not win back: the
-# denoising loop (10 action rows on the expert, 280 products per frame) took 23-24 ms with MKL and
-# 29-30 ms packed; a 30-request decode step (weights streamed from memory) got 0.5-1 ms cheaper.
-PACKED_MIN_ROWS = 16
-_PACKING = {"enabled": True, "available": None}
-_LOG = logging.getLogger(__name__)
-
-
-def use_packed_weights(enabled: bool) -> None:
-    """Turn the prepacked CPU weights of :class:`Linear` on or off for this process (A/B
-    measurements). Raises TypeError on a non-bool."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    _PACKING["enabled"] = enabled
-
-
-def packed_weights_in_use() -> bool:
-    """The setting of :func:`use_packed_weights` (True by default)."""
-    return bool(_PACKING["enabled"])
-
-
-def packed_weights_available() -> bool:
-    """Whether this torch has the oneDNN linear ops :class:`Linear` packs weights for (False too
-    after a packing failure)."""
-    if _PACKING["available"] is None:
-        ops = torch.ops.mkldnn
-        _PACKING["available"] = bool(torch.backends.mkldnn.is_available()) and all(
-            hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))
-    return bool(_PACKING["available"])
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and state-dict keys) whose forward is :func:`linear`, except
-    for fp32 inputs of at least :data:`PACKED_MIN_ROWS` rows on the CPU under ``torch.inference_mode``
-    (prefill, decode steps of 16 or more requests): those use a copy of the weight prepacked for
-    oneDNN (``torch.ops.mkldnn``, the kernels torch's own compiler emits for frozen CPU linears),
-    made on first use and remade when the weight changes. It costs one more copy of the weight
-    in memory; :func:`use_packed_weights` turns it off. Values agree with ``F.linear`` up to fp32
-    summation order."""
-
-    _packed: tuple[tuple[int, int], torch.Tensor] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(1, x.shape[-1])
-        if rows >= PACKED_MIN_ROWS and self._packable(x):
-            packed = self._packed_weight()
-            if packed is not None:
-                out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, self.bias,
-                                                         "none", [], "")
-                return out.reshape(*x.shape[:-1], self.out_features)
-        return linear(x, self.weight, self.bias)
-
-    def _packable(self, x: torch.Tensor) -> bool:
-        # Only under inference mode: the oneDNN op has no derivative of either mode.
-        return (_PACKING["enabled"] and torch.is_inference_mode_enabled() and x.device.type == "cpu"
-                and x.dtype == self.weight.dtype == torch.float32 and packed_weights_available())
-
-    def _packed_weight(self) -> torch.Tensor | None:
-        weight = self.weight
-        key = (weight.data_ptr(), weight._version)
-        if self._packed is None or self._packed[0] != key:
-            try:
-                self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT))
-            except RuntimeError as error:
-                _LOG.warning("oneDNN weight packing failed, using F.linear: %s", error)
-                _PACKING["available"] = False
-                return None
-        return self._packed[1]
-
-
 class GemmaAttentionProjections(nn.Module):
     """Q/K/V/O projections (no bias): q ``W→heads·hd``, k/v ``W→kv_heads·hd``, o ``heads·hd→W``."""
 
@@ -182,6 +82,8 @@ class GemmaAttentionProjections(nn.Module):
         self.k_proj = Linear(width, num_kv_heads * head_dim, bias=False)
         self.v_proj = Linear(width, num_kv_heads * head_dim, bias=False)
         self.o_proj = Linear(num_heads * head_dim, width, bias=False)
+        # Q, K and V read the same input: one product where the CPU fast paths allow.
+        self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)
 
 
 class GeGLU(nn.Module):
@@ -192,9 +94,11 @@ class GeGLU(nn.Module):
         self.gate_proj = Linear(width, hidden, bias=False)
         self.up_proj = Linear(width, hidden, bias=False)
         self.down_proj = Linear(hidden, width, bias=False)
+        self.gate_up = LinearGroup(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class GemmaLayer(nn.Module):
@@ -226,10 +130,9 @@ class GemmaLayer(nn.Module):
         h, gate = self.input_layernorm(x, modulation)
         a = self.self_attn
         b, t = x.shape[:2]
-        q = a.q_proj(h).view(b, t, a.num_heads, a.head_dim)
-        k = a.k_proj(h).view(b, t, a.num_kv_heads, a.head_dim)
-        v = a.v_proj(h).view(b, t, a.num_kv_heads, a.head_dim)
-        return q, k, v, gate
+        q, k, v = a.qkv(h)
+        return (q.view(b, t, a.num_heads, a.head_dim), k.view(b, t, a.num_kv_heads, a.head_dim),
+                v.view(b, t, a.num_kv_heads, a.head_dim), gate)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor, attn_gate: torch.Tensor | None,
                modulation: torch.Tensor | None = None) -> torch.Tensor:
@@ -272,15 +175,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-# Folded queries per K/V head up to which :func:`attention` uses plain matmuls instead of SDPA.
-FEW_QUERIES = 16
-# Few-query score matmuls: up to this many (row, K/V head) pairs, ``Q @ Kᵀ`` (Kᵀ a transposed
-# view); above it ``(K @ Qᵀ)ᵀ``. Measured with MKL on 2 x86 cores (decode rows of ~650 tokens,
-# head_dim 64): Q-left is 1.3-1.6x faster while the batch's K fits in cache (<= 6 rows), K-left
-# 1.2-1.4x faster from DRAM (>= 12 rows). Both are exact; only speed differs.
-Q_LEFT_MAX_BATCH = 8
-
-
 class AttentionMask:
     """A bool attention mask ``[B, T, L]`` (True = the query may attend to the key) and the layouts
     :func:`attention` derives from it, built on first use and reused by every layer of a forward.
@@ -300,6 +194,15 @@ class AttentionMask:
         self.mask = mask
         self._folded: dict[int, torch.Tensor] = {}
         self._additive: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._all_visible: bool | None = None
+
+    def all_visible(self) -> bool:
+        """True when every query may attend to every key (checked once), so :func:`attention` can
+        run SDPA without a mask. On the CPU only: elsewhere False without looking, as the check
+        would synchronise with the device (and cannot run inside a CUDA graph capture)."""
+        if self._all_visible is None:
+            self._all_visible = self.mask.device.type == "cpu" and bool(self.mask.all())
+        return self._all_visible
 
     def folded(self, group: int) -> torch.Tensor:
         """bool ``[B, 1, group·T, L]``: the mask of each query token repeated for the ``group``
@@ -336,94 +239,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         ``[B, T, heads·hd]`` in q's dtype.
 
     The query heads that share a K/V head are folded into the query length, so each K/V head is one
-    batched matmul against ``heads/kv_heads · T`` queries. With at most :data:`FEW_QUERIES` folded
-    queries (a decode step) two batched matmuls with an fp32 softmax between them run faster than
-    SDPA's kernel on CPU; otherwise SDPA with an additive mask (its softmax accumulates in fp32).
-    Both are exact. In the few-queries case, fp32 on a CPU with AVX-512, AVX2 or NEON runs the
-    native kernel instead (:func:`oxygen_ros.models.native.decode_attention`: one pass over each
-    row's K and V, a shared prefix read from row 0 for every row; the build for the running CPU,
-    :func:`oxygen_ros.models.native.active_variant`); elsewhere, with ``shared_prefix`` P > 0 and
-    B > 1, the prefix is attended once for the queries of all rows (cascade attention,
-    :func:`_cascade_attention`).
+    batched matmul against ``heads/kv_heads · T`` queries. With at most
+    :data:`oxygen_ros.models.cpu_fast_paths.FEW_QUERIES` folded queries (a decode step)
+    :func:`oxygen_ros.models.cpu_fast_paths.few_query_attention` serves it (native kernel, cascade
+    over a shared prefix, or two batched matmuls); otherwise SDPA with an additive mask, or none
+    when every key is visible (its softmax accumulates in fp32). All are exact.
     """
     if not isinstance(mask, AttentionMask):
         mask = AttentionMask(mask)
     b, t, heads, hd = q.shape
-    length, kv_heads = k.shape[1], k.shape[2]
+    kv_heads = k.shape[2]
     group = heads // kv_heads
     q = q.view(b, t, kv_heads, group, hd).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * t, hd)
-    few = group * t <= FEW_QUERIES
-    if few and _native_decode(q, k, v, group * t):
-        out = native.decode_attention(q * hd ** -0.5, k, v, mask.mask, shared_prefix if b > 1 else 0)
-    elif few and shared_prefix > 0 and b > 1:
-        out = _cascade_attention(q * hd ** -0.5, k, v, mask.mask, shared_prefix, t)
-    elif few:
-        # 3-D bmm reads strided K/V (e.g. views of the decode rows) in place; 4-D matmul would copy.
-        flat_k = k.transpose(1, 2).reshape(b * kv_heads, length, hd)
-        flat_v = v.transpose(1, 2).reshape(b * kv_heads, length, hd)
-        flat_q = (q * hd ** -0.5).reshape(b * kv_heads, group * t, hd)
-        if b * kv_heads <= Q_LEFT_MAX_BATCH:
-            scores = torch.bmm(flat_q, flat_k.transpose(1, 2))
-        else:
-            scores = torch.bmm(flat_k, flat_q.transpose(1, 2)).transpose(1, 2)
-        m = mask.folded(group).expand(b, kv_heads, group * t, length)
-        scores = scores.float().masked_fill(~m.reshape(b * kv_heads, group * t, length), float("-inf"))
-        out = torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), flat_v)
+    if group * t <= cpu_fast_paths.FEW_QUERIES:
+        out = cpu_fast_paths.few_query_attention(q * hd ** -0.5, k, v, mask, shared_prefix, t)
     else:
+        # A prefix prefill (one bidirectional block, no padding) sees every key: no mask to build
+        # (9.7 MB for 780 tokens) and read in every layer.
         out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask.additive(group, q.dtype))
+                                             attn_mask=None if mask.all_visible() else mask.additive(group, q.dtype))
     return out.view(b, kv_heads, group, t, hd).permute(0, 3, 1, 2, 4).reshape(b, t, heads * hd)
-
-
-def _native_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: int) -> bool:
-    """Whether :func:`attention` hands a few-queries case to :func:`native.decode_attention`: under
-    ``torch.inference_mode`` (the models' inference entry points; the kernel has no backward and no
-    forward-mode derivative, and inference mode records neither), fp32 on a CPU the kernel
-    supports (see :func:`native.supports`), K/V with a contiguous last dim."""
-    return (torch.is_inference_mode_enabled() and q.device.type == "cpu"
-            and q.dtype == k.dtype == v.dtype == torch.float32 and k.stride(-1) == 1 and v.stride(-1) == 1
-            and native.supports(q.shape[-1], queries))
-
-
-def _cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                       prefix: int, t: int) -> torch.Tensor:
-    """Attention of scaled folded queries over a prefix shared by all rows plus each row's tail.
-
-    Args:
-        q: scaled queries ``[B, kv_heads, N, hd]``, ``N = group·t`` (group-major).
-        k, v: ``[B, L, kv_heads, hd]``; ``[:, :prefix]`` is the same in every row.
-        mask: bool ``[B, t, L]``; every query sees all of ``[:prefix]``.
-        prefix: P, ``0 < P < L``.
-        t: query tokens per row.
-
-    Returns:
-        ``[B, kv_heads, N, hd]`` in q's dtype.
-
-    The prefix scores of all rows' queries are one matmul per K/V head (``B·N`` queries against
-    ``K[:P]`` of row 0); each row's tail ``[P:L]`` is a batched matmul as in :func:`attention`. Both
-    parts are exponentiated against their joint fp32 maximum and normalised by their joint sum, so
-    the result is the softmax over all L keys.
-    """
-    b, kv_heads, n, hd = q.shape
-    length = k.shape[1]
-    tail = length - prefix
-    # Prefix: [kv, B·N, hd] @ [kv, hd, P] -> fp32 scores [kv, B·N, P].
-    k_pre, v_pre = k[0, :prefix].transpose(0, 1), v[0, :prefix].transpose(0, 1)
-    q_all = q.transpose(0, 1).reshape(kv_heads, b * n, hd)
-    s_pre = torch.bmm(q_all, k_pre.transpose(1, 2)).float()
-    # Tail: [B·kv, N, hd] @ [B·kv, hd, tail] -> fp32 scores [B·kv, N, tail], masked.
-    k_tail = k[:, prefix:].transpose(1, 2).reshape(b * kv_heads, tail, hd)
-    v_tail = v[:, prefix:].transpose(1, 2).reshape(b * kv_heads, tail, hd)
-    s_tail = torch.bmm(q.reshape(b * kv_heads, n, hd), k_tail.transpose(1, 2)).float()
-    hidden = ~mask[:, :, prefix:]                                      # [B, t, tail]
-    s_tail.view(b, kv_heads, n // t, t, tail).masked_fill_(hidden[:, None, None], float("-inf"))
-    # Joint maximum per query, in the tail layout [B·kv, N] and the prefix layout [kv, B·N].
-    top = torch.maximum(s_tail.amax(dim=2),
-                        s_pre.amax(dim=2).view(kv_heads, b, n).transpose(0, 1).reshape(b * kv_heads, n))
-    top_pre = top.view(b, kv_heads, n).transpose(0, 1).reshape(kv_heads, b * n)
-    e_pre, e_tail = s_pre.sub_(top_pre[..., None]).exp_(), s_tail.sub_(top[..., None]).exp_()
-    total = e_tail.sum(dim=2) + e_pre.sum(dim=2).view(kv_heads, b, n).transpose(0, 1).reshape(b * kv_heads, n)
-    out_pre = torch.bmm(e_pre.to(v.dtype), v_pre).float()               # [kv, B·N, hd]
-    out_tail = torch.bmm(e_tail.to(v.dtype), v_tail).float()            # [B·kv, N, hd]
-    out = out_tail.add_(out_pre.view(kv_heads, b, n, hd).transpose(0, 1).reshape(b * kv_heads, n, hd))
-    return out.div_(total[..., None]).to(q.dtype).view(b, kv_heads, n, hd)

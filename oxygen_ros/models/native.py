@@ -30,8 +30,9 @@ Each variant is compiled with ``torch.utils.cpp_extension.load`` (g++ and ninja;
 :func:`_build_and_load`): 15-40 s the first time on 2 cores (idle to heavily loaded), well under a
 second after. It is
 compiled with OpenMP and runs on torch's intra-op threads (``torch.set_num_threads``). Set
-``OXYGEN_NATIVE_KERNELS=0`` to never build or use it (the oneDNN-packed weights of
-:class:`oxygen_ros.models.gemma.Linear` have their own switch, ``gemma.use_packed_weights``). When
+``OXYGEN_NATIVE_KERNELS=0`` to never build or use it; which calls it serves, and the switches that
+turn it (and the oneDNN-packed weights) off for A/B runs, are in
+:mod:`oxygen_ros.models.cpu_fast_paths`. When
 the build fails (no compiler, no ninja) or ``OXYGEN_NATIVE_ISA`` names a variant this CPU cannot run,
 a warning is logged and callers keep the torch path.
 """
@@ -77,21 +78,7 @@ BUILD_WAIT_S = 600.0
 _LOCK = threading.Lock()
 _STATE: dict[str, dict[str, object]] = {}   # per variant: "loaded": bool, "error": str
 _OPS: dict[str, object] = {}                # per loaded variant: its torch.ops operator
-_USE = {"enabled": True}
 _SELECTED: dict[str, str | None] = {"variant": None}
-
-
-def use(enabled: bool) -> None:
-    """Turn the use of the native kernels on or off for this process (A/B measurements); off,
-    :func:`supports` answers False and callers take the torch path. Does not build anything."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    _USE["enabled"] = enabled
-
-
-def in_use() -> bool:
-    """The setting of :func:`use` (True by default)."""
-    return bool(_USE["enabled"])
 
 
 def enabled_by_environment() -> bool:
@@ -293,9 +280,9 @@ def status(variant: str | None = None) -> str:
 def supports(head_dim: int, queries: int) -> bool:
     """Whether :func:`decode_attention` can serve ``queries`` folded queries per K/V head of
     ``head_dim`` on this machine: ``head_dim`` a multiple of 16, ``queries`` in {1, 2, 4, 8, 16},
-    not turned off by :func:`use`, and the kernels of :func:`active_variant` loaded (built on the first
-    call)."""
-    if not _USE["enabled"] or head_dim % 16 or queries not in (1, 2, 4, 8, 16):
+    and the kernels of :func:`active_variant` loaded (built on the first call). Whether the models
+    use it is decided in :mod:`oxygen_ros.models.cpu_fast_paths` (its switch for A/B runs)."""
+    if head_dim % 16 or queries not in (1, 2, 4, 8, 16):
         return False
     return load()
 

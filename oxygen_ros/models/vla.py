@@ -1,4 +1,4 @@
-"""π0.5 / π0 as one PyTorch module with the split the engine needs and a cache-free reference.
+"""π0.5 / π0 as one PyTorch module with the split the engine needs.
 
 Architecture and numerics follow the public reference implementations (openpi, LeRobot and transformers'
 π0): SigLIP vision tower + linear projector, a Gemma VLM and a Gemma action expert with separate
@@ -16,10 +16,8 @@ Because the prefix never attends to the suffix, expert layer i at inference need
 K/V of VLM layer i; that is why a prefix KV cache written by the VLM alone serves both the action
 expert and language decoding.
 
-Reference path (for verification, no cache): :meth:`VLAModel.reference_actions`,
-:meth:`VLAModel.reference_logits`, :meth:`VLAModel.reference_generate` run one joint forward over the
-(unpacked, masked) prefix and the suffix with openpi's block masks (``cumsum`` of block starts) and
-positions (``cumsum(valid) - 1``).
+The cache-free reference path the tests hold this one to (one joint forward over the unpacked,
+masked prefix and the suffix with openpi's block masks) is :mod:`oxygen_ros.models.reference`.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from .config import VLAConfig
 from .cuda_graphs import GraphCache, round_up
 from .gemma import (AdaRMSNorm, AttentionMask, GemmaStack, RMSNorm, apply_rope, attention, rope_cos_sin,
                     rope_inverse_frequencies)
-from . import native
+from . import cpu_fast_paths, native
 from .kv_cache import KVCacheView
 
 
@@ -67,24 +65,8 @@ def sinusoidal_time_embedding(t: torch.Tensor, width: int, min_period: float, ma
     return torch.cat((angles.sin(), angles.cos()), dim=-1)
 
 
-def block_mask(valid: torch.Tensor, block_start: torch.Tensor) -> torch.Tensor:
-    """openpi prefix-LM mask: token i attends to valid j iff ``blocks[j] <= blocks[i]``.
-
-    Args:
-        valid: bool ``[B, T]``.
-        block_start: bool ``[B, T]``; True where a token starts a new block (openpi's ``ar_mask``).
-
-    Returns:
-        bool ``[B, T, T]``. Rows of invalid queries attend to themselves only (never read).
-    """
-    blocks = torch.cumsum(block_start.to(torch.long), dim=1)
-    mask = (blocks[:, None, :] <= blocks[:, :, None]) & valid[:, None, :] & valid[:, :, None]
-    eye = torch.eye(valid.shape[1], dtype=torch.bool, device=valid.device)
-    return mask | (eye[None] & ~valid[:, :, None])
-
-
 class VLAModel(nn.Module):
-    """π0.5 or π0 (per ``config.variant``) with cached and reference inference.
+    """π0.5 or π0 (per ``config.variant``) with cached inference (reference: :mod:`.reference`).
 
     Submodule names are the project's own; :mod:`oxygen_ros.models.checkpoint` maps the openpi,
     LeRobot and transformers layouts onto them. Construct with random weights via
@@ -361,7 +343,8 @@ class VLAModel(nn.Module):
             kv: view with ``new_lens`` all 1; rows may have different prefixes and lengths.
 
         Returns:
-            fp32 logits ``[B, vocab]`` of the next token (tied LM head).
+            fp32 logits ``[B, vocab]`` of the next token (tied LM head). On the CPU a step of few
+            requests runs on one intra-op thread (:func:`oxygen_ros.models.cpu_fast_paths.threads_for`).
 
         Raises:
             ValueError: ``token_ids`` not ``[B]`` or ``new_lens`` not all 1.
@@ -373,8 +356,9 @@ class VLAModel(nn.Module):
             raise ValueError(f"decode_step needs new_lens all 1, got {kv.new_lens.tolist()}")
         embeds = self.embed_tokens(token_ids)[:, None, :]
         new_mask = torch.ones(token_ids.shape[0], 1, 1, dtype=torch.bool, device=self.device)
-        hidden = self._vlm_cached(embeds, kv, new_mask)
-        return self._lm_logits(self.vlm.norm(hidden[:, 0])[0])
+        with cpu_fast_paths.threads_for(token_ids.shape[0], self.device):
+            hidden = self._vlm_cached(embeds, kv, new_mask)
+            return self._lm_logits(self.vlm.norm(hidden[:, 0])[0])
 
     def _vlm_cached(self, x: torch.Tensor, kv: KVCacheView, new_mask: torch.Tensor) -> torch.Tensor:
         """VLM layers over new tokens ``x [B, T, W]`` with cached K/V; ``new_mask [B, T, T]`` among new.
@@ -447,7 +431,9 @@ class VLAModel(nn.Module):
         (docs/models.md, "Flow matching"). Action tokens sit at positions ``cached_lens + [0..H-1]`` (π0: the state
         token at ``cached_lens``, actions after it) and attend to every valid prefix token and to each
         other. The prefix K/V of all layers is read once, before the loop. With
-        :meth:`enable_cuda_graphs` on a CUDA device the loop is replayed from a CUDA graph.
+        :meth:`enable_cuda_graphs` on a CUDA device the loop is replayed from a CUDA graph; on the
+        CPU a loop of few action rows runs on one intra-op thread
+        (:func:`oxygen_ros.models.cpu_fast_paths.threads_for`).
 
         Args:
             kv: read-only view of the prefix (``new_lens`` all 0).
@@ -483,7 +469,8 @@ class VLAModel(nn.Module):
         state = None if state is None else state.to(self.device, self.dtype)
         if self._graphs is not None and self.device.type == "cuda":
             return self._denoise_graphed(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
-        return self._denoise_loop(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
+        with cpu_fast_paths.threads_for(b * horizon, self.device):
+            return self._denoise_loop(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
 
     def _denoise_graphed(self, prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state):
         """:meth:`_denoise_loop` replayed from a CUDA graph of the prefix length's bucket.
@@ -628,117 +615,3 @@ class VLAModel(nn.Module):
             return tokens
         emb = conditioning["time_emb"][step].expand_as(tokens)
         return self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat((tokens, emb), dim=-1))))
-
-    # ------------------------------------------------------------------ reference path (no cache)
-
-    def _joint_forward(self, prefix: torch.Tensor, prefix_valid: torch.Tensor, prefix_start: torch.Tensor,
-                       suffix: torch.Tensor | None, suffix_start: torch.Tensor | None,
-                       conditioning=None, step: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One MoT forward over ``[prefix (VLM weights); suffix (expert weights)]`` with no cache.
-
-        Returns the final-normed prefix hidden states ``[B, P, Wv]`` and suffix hidden states
-        ``[B, Q, We]`` (None without a suffix).
-        """
-        b, p = prefix.shape[:2]
-        q_len = 0 if suffix is None else suffix.shape[1]
-        ones = torch.ones(b, q_len, dtype=torch.bool, device=self.device)
-        valid = torch.cat((prefix_valid.to(self.device), ones), dim=1)
-        starts = torch.cat((prefix_start.to(self.device),
-                            ones if suffix is None else suffix_start.to(self.device).expand(b, q_len)), dim=1)
-        mask = AttentionMask(block_mask(valid, starts))
-        positions = torch.cumsum(valid.to(torch.long), dim=1) - 1
-        cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.dtype)
-        xp = prefix.to(self.device, self.dtype)
-        xs = suffix
-        for i, vlm_layer in enumerate(self.vlm.layers):
-            qp, kp, vp, _ = vlm_layer.project_qkv(xp)
-            q, k, v = qp, kp, vp
-            if xs is not None:
-                mod_in, mod_post = self._layer_modulation(conditioning, i, step)
-                qs, ks, vs, gate = self.expert.layers[i].project_qkv(xs, mod_in)
-                q, k, v = torch.cat((qp, qs), 1), torch.cat((kp, ks), 1), torch.cat((vp, vs), 1)
-            attn = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask)
-            xp = vlm_layer.finish(xp, attn[:, :p], None)
-            if xs is not None:
-                xs = self.expert.layers[i].finish(xs, attn[:, p:], gate, mod_post)
-        out_s = None if xs is None else self.expert.norm(xs, self._final_modulation(conditioning, step))[0]
-        return self.vlm.norm(xp)[0], out_s
-
-    def _prefix_starts(self, prefix_mask: torch.Tensor, prefix_block_start: torch.Tensor | None) -> torch.Tensor:
-        if prefix_block_start is None:
-            return torch.zeros_like(prefix_mask, dtype=torch.bool)
-        if prefix_block_start.shape != prefix_mask.shape:
-            raise ValueError(f"prefix_block_start {tuple(prefix_block_start.shape)} must match prefix_mask "
-                             f"{tuple(prefix_mask.shape)}")
-        return prefix_block_start.to(torch.bool)
-
-    @torch.inference_mode()
-    def reference_actions(self, prefix_embeds: torch.Tensor, prefix_mask: torch.Tensor, noise: torch.Tensor,
-                          num_steps: int | None = None, state: torch.Tensor | None = None,
-                          prefix_block_start: torch.Tensor | None = None) -> torch.Tensor:
-        """Cache-free action chunk: one joint prefix+suffix forward per Euler step (openpi masks).
-
-        Args:
-            prefix_embeds: ``[B, P, vlm_width]``, valid tokens anywhere (need not be packed).
-            prefix_mask: bool ``[B, P]`` valid prefix tokens.
-            noise, num_steps, state: as in :meth:`denoise`.
-            prefix_block_start: bool ``[B, P]`` openpi ``ar_mask`` of the prefix (True = token starts a
-                new block); None = one bidirectional prefix block.
-
-        Returns:
-            fp32 ``[B, H, action_dim]``.
-        """
-        c = self.config
-        steps = c.num_steps if num_steps is None else int(num_steps)
-        if steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {steps}")
-        b, horizon = noise.shape[:2]
-        self._check_state(state, b)
-        starts = self._prefix_starts(prefix_mask, prefix_block_start)
-        dt = -1.0 / steps
-        conditioning = self._time_conditioning(1.0 + dt * torch.arange(steps, dtype=torch.float32,
-                                                                       device=self.device))
-        # openpi ar_mask of the suffix: π0.5 [1, 0, ...]; π0 [1 (state), 1, 0, ...].
-        suffix_start = torch.zeros(horizon + (c.variant == "pi0"), dtype=torch.bool, device=self.device)
-        suffix_start[: 1 + (c.variant == "pi0")] = True
-        x = noise.to(self.device, torch.float32)
-        for step in range(steps):
-            tokens = self._action_tokens(x, conditioning, step)
-            if c.variant == "pi0":
-                tokens = torch.cat((self.state_proj(state.to(self.device, self.dtype))[:, None, :], tokens), dim=1)
-            _, out = self._joint_forward(prefix_embeds, prefix_mask, starts, tokens, suffix_start[None],
-                                         conditioning, step)
-            x = x + dt * self.action_out_proj(out[:, -horizon:]).float()
-        return x
-
-    @torch.inference_mode()
-    def reference_logits(self, prefix_embeds: torch.Tensor, prefix_mask: torch.Tensor,
-                         prefix_block_start: torch.Tensor | None = None) -> torch.Tensor:
-        """Cache-free fp32 logits ``[B, vocab]`` of each row's last valid prefix token (found by mask)."""
-        starts = self._prefix_starts(prefix_mask, prefix_block_start)
-        hidden, _ = self._joint_forward(prefix_embeds, prefix_mask, starts, None, None)
-        mask = prefix_mask.to(self.device, torch.bool)
-        last = (torch.arange(mask.shape[1], device=self.device)[None, :] * mask).argmax(1)
-        return self._lm_logits(hidden[torch.arange(mask.shape[0], device=self.device), last])
-
-    @torch.inference_mode()
-    def reference_generate(self, prefix_embeds: torch.Tensor, prefix_mask: torch.Tensor, max_new_tokens: int,
-                           prefix_block_start: torch.Tensor | None = None) -> torch.Tensor:
-        """Cache-free greedy decoding: re-runs the whole sequence for every new token.
-
-        Decoded tokens are appended after the (possibly padded) prefix, each as its own causal block.
-
-        Returns:
-            int64 ``[B, max_new_tokens]`` argmax tokens (no early stop at EOS).
-        """
-        embeds = prefix_embeds.to(self.device, self.dtype)
-        mask = prefix_mask.to(self.device, torch.bool)
-        starts = self._prefix_starts(mask, prefix_block_start).to(self.device)
-        out = []
-        for _ in range(max_new_tokens):
-            token = self.reference_logits(embeds, mask, starts).argmax(-1)
-            out.append(token)
-            embeds = torch.cat((embeds, self.embed_tokens(token)[:, None, :].to(embeds.dtype)), dim=1)
-            mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)
-            starts = torch.cat((starts, torch.ones_like(starts[:, :1])), dim=1)
-        return torch.stack(out, dim=1)
