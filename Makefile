@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 WITH_ENV := source scripts/env.sh &&
 
-.PHONY: setup test demo bench-model bench-engine clean
+.PHONY: setup test demo bench-model bench-engine bench-roofline clean
 
 setup:
 	@bash scripts/setup_env.sh
@@ -20,6 +20,10 @@ bench-model: setup
 
 bench-engine: setup
 	@$(WITH_ENV) python -m oxygen_ros.bench.engine_bench $(BENCH_ARGS)
+
+# Per phase: FLOP, bytes, achieved rates and this machine's GEMM / streaming ceilings (docs/benchmarks.md).
+bench-roofline: setup
+	@$(WITH_ENV) python -m oxygen_ros.bench.roofline $(BENCH_ARGS)
 
 clean:
 	rm -rf build install log
