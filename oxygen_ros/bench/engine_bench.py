@@ -51,7 +51,7 @@ import torch
 
 from oxygen_ros.engine import BlockPool, CycleResult, Engine, EngineConfig, KVCacheManager, Observation
 from oxygen_ros.engine.model_runner import ModelRunner, PrefillRow
-from oxygen_ros.engine.processing import ModelProcessor
+from oxygen_ros.engine.model_io import ProcessorIO
 from oxygen_ros.bench.cpu_paths import cpu_kernel_choice, cpu_kernels
 from oxygen_ros.models import PRESETS, ROBOTS, get_preset, get_robot, load_model, load_tokenizer
 from oxygen_ros.models.tokenizer import TinyTokenizer
@@ -222,11 +222,13 @@ def decode_rows(processor, robot, runner: ModelRunner, manager: KVCacheManager, 
         ids = processor.prompt_ids(ACTION_PROMPT, obs.instruction, obs.state)
         embeds = torch.cat([features.reshape(-1, features.shape[-1]), runner.embed_prompt(ids)])
         root = manager.new_sequence()
+        manager.reserve([root], [embeds.shape[0]])
         runner.prefill([PrefillRow(root, embeds, embeds.shape[0])], logits=False)
         roots.append(root)
     seqs = [manager.fork(roots[i % len(roots)]) for i in range(batch)]
     for i, seq in enumerate(seqs):
         for _ in range(i % 30):
+            manager.prepare_append(seq, 1)
             runner.decode_step([seq], [5])
     return seqs
 
@@ -250,6 +252,8 @@ def batch_scaling(model, processor, robot, budget: int, batch: int, repeats: int
     samples: dict[int, list[float]] = {1: [], batch: []}
     for _ in range(repeats):
         for size in samples:
+            for seq in seqs[:size]:
+                manager.prepare_append(seq, 1)
             t = time.perf_counter()
             runner.synchronized(runner.decode_step(seqs[:size], [5] * size))
             samples[size].append(time.perf_counter() - t)
@@ -317,7 +321,7 @@ def _run(args: argparse.Namespace, config, tokenizer) -> int:
     """Every setting of :func:`main` with validated arguments; returns the exit status."""
     model = load_model(config, dtype=args.dtype, device=args.device)
     robot = get_robot(args.robot)
-    processor = ModelProcessor(Processor(model.config, robot, tokenizer))
+    processor = ProcessorIO(Processor(model.config, robot, tokenizer))
     bench = Bench(model, processor, robot, args.frames, args.warmup,
                   int(args.kv_budget_mib * 2**20), not args.eager)
     horizon = model.config.action_horizon

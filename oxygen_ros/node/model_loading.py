@@ -6,7 +6,7 @@ The checkpoint family's conventions (``settings.conventions``, resolved from the
 set the model's action horizon and prompt budget, the prompt layouts, the normalisation and the action
 post-processing. The normalisation statistics come from the checkpoint directory (LeRobot processor
 files, or openpi's ``assets/<asset>/norm_stats.json``) or from ``norm_stats_path``. The engine's
-processor is :class:`oxygen_ros.engine.processing.ModelProcessor` over the models package's
+processor is :class:`oxygen_ros.engine.model_io.ProcessorIO` over the models package's
 :class:`oxygen_ros.models.processing.Processor`.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from oxygen_ros.engine import Engine, EngineConfig, Observation
-from oxygen_ros.engine.processing import ModelProcessor
+from oxygen_ros.engine.model_io import ProcessorIO
 from oxygen_ros.models import NormStats, RobotConfig, get_preset, load_model, load_norm_stats
 from oxygen_ros.models.conventions import Conventions, find_norm_stats
 from oxygen_ros.models.processing import Processor
@@ -116,7 +116,7 @@ def build_engine(settings: NodeSettings) -> Engine:
                           load_statistics(settings), conv)
     model = load_model(config, settings.checkpoint or None, dtype=settings.dtype, device=settings.device,
                        seed=settings.seed)
-    return Engine(model, ModelProcessor(processor), engine_config(settings, conv))
+    return Engine(model, ProcessorIO(processor), engine_config(settings, conv))
 
 
 def warm_up(engine: Engine, settings: NodeSettings, on_action=None) -> float:
