@@ -2,17 +2,14 @@
 
 A cycle (:meth:`Engine.run_cycle`), after OxyGen (arXiv 2603.14371) with a deadline-aware scheduler:
 
-1. observe: cancellations asked for from other threads apply; the language tasks' triggers fire
-   (``triggers.py``); a new instruction cancels the running requests of tasks with
-   ``cancel_on_new_instruction`` (here, and nowhere else);
-2. act: the observation's cameras are encoded in one vision call, the action prompt's prefix is
-   prefilled (or found in the cycle's prefix tree, ``prefix_cache.py``) and the action expert
-   denoises from it; the :class:`ActionChunk` is handed out at once (``on_action``);
-3. admit: waiting language requests are admitted by the scheduler (``scheduler.py``: page
-   reservation, priority, preemption), their prefixes prefilled in one batched call per tree level;
-4. decode within the budget: batched decode steps advance every running request of every frame, as
-   the engine mode's policy decides (``modes.py``: ``unified``'s ``fixed_k`` / ``deadline``
-   scheduling, or run to completion);
+1. observe: cross-thread cancellations apply (``inbox.py``), triggers fire (``triggers.py``), a new
+   instruction cancels the requests of tasks with ``cancel_on_new_instruction`` (here only);
+2. act: one vision call for the cameras, the action prefix prefilled or found in the cycle's prefix
+   tree (``prefix_cache.py``), denoising; the :class:`ActionChunk` is handed out at once;
+3. admit: the scheduler admits waiting language requests (``scheduler.py``: page reservation,
+   priority, preemption); their prefixes are prefilled in one batched call per tree level;
+4. decode within the budget: batched decode steps of every running request of every frame, as the
+   mode's policy decides (``modes.py``: ``fixed_k`` / ``deadline`` scheduling, or to completion);
 5. report: final events, memory entries and records (``outputs.py``, ``meter.py``).
 """
 
@@ -30,7 +27,7 @@ from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.inbox import Inbox, Submission
 from oxygen_ros.engine.kv_cache_manager import KVCacheManager
 from oxygen_ros.engine.language import LanguageWork
-from oxygen_ros.engine.inputs import ObservationInputs
+from oxygen_ros.engine.inputs import ObservationReader
 from oxygen_ros.engine.meter import CycleMeter
 from oxygen_ros.engine.metrics import EngineMetrics
 from oxygen_ros.engine.model_io import ModelIO
@@ -45,19 +42,13 @@ from oxygen_ros.engine.types import ActionChunk, MemoryEntry, Observation, Reque
 
 
 class Engine:
-    """Runs the action task and the language tasks of :class:`EngineConfig` on one model.
+    """Runs the action and language tasks of ``config`` on a π0.5 / π0 ``model``
+    (:class:`~oxygen_ros.engine.model_runner.RunnerModel`) with its pre/post-processing
+    ``processor`` (:class:`~oxygen_ros.engine.model_io.ModelIO`).
 
-    Args:
-        model: a π0.5 / π0 model (:class:`~oxygen_ros.engine.model_runner.RunnerModel`).
-        processor: its pre/post-processing (:class:`~oxygen_ros.engine.model_io.ModelIO`).
-        config: the engine configuration.
-
-    Raises:
-        ValueError: the KV budget cannot hold the action task's reserve.
-
-    Thread safety: :meth:`run_cycle`, :meth:`warm_up`, :meth:`take_events`, :meth:`flush` and
-    :meth:`close` must be called from one thread; :meth:`submit`, :meth:`cancel` and
-    :meth:`cancel_task` from any thread (``inbox.py``).
+    Raises ValueError when the KV budget cannot hold the action task's reserve. :meth:`submit`,
+    :meth:`cancel` and :meth:`cancel_task` may be called from any thread (``inbox.py``); the other
+    methods from one thread.
     """
 
     def __init__(self, model: RunnerModel, processor: ModelIO, config: EngineConfig):
@@ -70,7 +61,7 @@ class Engine:
         self._manager = KVCacheManager(self._pool)
         self._runner = ModelRunner(model, processor, self._manager, config.cuda_graphs)
         max_prompt = getattr(cfg, "max_token_len", None)
-        self._inputs = ObservationInputs(config, processor, max_prompt, cfg.num_image_tokens)
+        self._inputs = ObservationReader(config, processor, max_prompt, cfg.num_image_tokens)
         # The action task's page reserve: its largest prefix plus one copy-on-write page for a
         # fork. Language admission never charges these pages, so every cycle can prefill its action.
         self._action_reserve = self._manager.blocks_for(
@@ -106,21 +97,13 @@ class Engine:
 
     def run_cycle(self, obs: Observation, deadline: float | None = None,
                   on_action: Callable[[ActionChunk], None] | None = None) -> CycleResult:
-        """Run one control cycle for the newest observation ``obs`` (see the module docstring).
+        """Run one control cycle for the newest observation ``obs`` (module docstring); every output
+        of the returned :class:`CycleResult` carries ``obs.tag``.
 
-        Args:
-            deadline: ``time.perf_counter()`` instant (s) by which the cycle must end; default its
-                start plus ``action.control_period_s``. Only ``unified``'s ``deadline`` scheduling
-                spends slack up to it; every mode records misses.
-            on_action: called with the action chunk as soon as it is ready, before language work.
-
-        Returns:
-            :class:`CycleResult`; every output carries ``obs.tag``.
-
-        Raises:
-            ValueError: an image slot unknown to ``camera_slots``, no camera present, or a prompt
-                longer than the model's prompt budget.
-            RuntimeError: the engine was closed.
+        ``deadline``: ``time.perf_counter()`` instant (s) by which the cycle must end (default: its
+        start plus ``action.control_period_s``); ``on_action`` gets the chunk before language work.
+        Raises ValueError for an unknown camera slot, no camera, or a prompt over the model's
+        budget; RuntimeError once closed.
         """
         with self._lock:
             self._check_open()
@@ -131,16 +114,11 @@ class Engine:
                 raise
 
     def warm_up(self, obs: Observation, on_action: Callable[[ActionChunk], None] | None = None) -> float:
-        """Run the action path once for a typical ``obs`` and keep nothing of it; returns seconds.
+        """Run the action path once for a typical ``obs``, keep nothing of it, return seconds.
 
-        One-time costs (CUDA graph capture per image count and prefix bucket, lazy kernel and
-        allocator initialisation) land here rather than in the first cycle. It measures with a
-        throw-away meter: triggers, instruction history, metrics, step-cost estimates and the pool's
-        peak stay as they were; the prefix's pages return at once. :attr:`counters` count the work.
-
-        Raises:
-            ValueError: as :meth:`run_cycle` for a bad observation.
-            RuntimeError: the engine was closed.
+        One-time costs (CUDA graph capture per image count and prefix bucket, lazy initialisation)
+        land here, not in the first cycle. A throw-away meter measures it: triggers, metrics,
+        step-cost estimates and the pool's peak stay as they were. Raises as :meth:`run_cycle`.
         """
         with self._lock:
             self._check_open()
@@ -162,18 +140,13 @@ class Engine:
 
     def submit(self, task: str, instruction: str | None = None,
                prompt_template: str | None = None) -> int:
-        """Queue one request of language task ``task`` for the next cycle; returns its id. Thread-safe.
+        """Queue a request of language task ``task`` for the next cycle; returns its id.
 
-        The next :meth:`run_cycle` starts it from its observation as if the task's trigger had
-        fired, with ``instruction`` and ``prompt_template`` (when given) replacing the observation's
-        instruction and the task's template. Exactly one final event ends it: also when it is
-        cancelled before a cycle started it (status ``cancelled``, ``seq`` -1, ``stamp`` 0.0, no
-        tag), or when its prompt does not fit the model's budget (``dropped``, that cycle's ``seq``).
-
-        Raises:
-            KeyError: no such task.
-            ValueError: ``prompt_template`` without ``{instruction}``.
-            RuntimeError: the engine was closed.
+        The next cycle starts it as if the task's trigger had fired, with ``instruction`` and
+        ``prompt_template`` (when given) replacing the observation's and the task's. One final
+        event ends it: also when cancelled before a cycle took it (``cancelled``, ``seq`` -1, stamp
+        0.0, no tag) or when its prompt is over the budget (``dropped``). Raises KeyError (no such
+        task), ValueError (template without ``{instruction}``), RuntimeError (closed).
         """
         config = self.config.task(task)
         if prompt_template is not None:
@@ -208,11 +181,7 @@ class Engine:
         return self._inbox.cancel(request_id)
 
     def cancel_task(self, task: str) -> int:
-        """Cancel every active request of language task ``task``; returns how many.
-
-        Raises:
-            KeyError: no such task.
-        """
+        """Cancel every active request of language task ``task`` (KeyError if none); how many."""
         self.config.task(task)
         return self._inbox.cancel_task(task)
 
@@ -243,8 +212,6 @@ class Engine:
             self._planner.tree.clear()
             self._report_ended()
             return self._outputs.take()
-
-    # ---- the cycle --------------------------------------------------------------------------
 
     def _cycle(self, obs: Observation, deadline: float | None,
                on_action: Callable[[ActionChunk], None] | None) -> CycleResult:

@@ -12,7 +12,7 @@ from oxygen_ros.engine.request import Request
 from oxygen_ros.engine.types import Observation, RequestStatus
 
 
-class ObservationInputs:
+class ObservationReader:
     """Reads observations for one engine.
 
     Args:
