@@ -1,7 +1,7 @@
-"""Shared fixtures of the engine tests: a deterministic test processor and observation factory.
+"""Shared fixtures of the engine tests: a deterministic test ModelIO and observation factory.
 
 The real pre/post-processing lives in ``oxygen_ros.models``; the engine only needs the small
-:class:`oxygen_ros.engine.model_runner.Processor` protocol, implemented here with a byte-level
+:class:`oxygen_ros.engine.model_io.ModelIO` protocol, implemented here with a byte-level
 tokenizer so the tests depend on nothing but the model.
 """
 
@@ -13,7 +13,7 @@ import torch
 from oxygen_ros.engine import EngineConfig, Observation
 
 
-class ByteProcessor:
+class ByteIO:
     """Byte-level prompts (BOS = 2, then ``3 + byte``), printable detokenization, raw actions."""
 
     def __init__(self, model_config):

@@ -17,7 +17,7 @@ from oxygen_ros.engine import Engine, RequestStatus
 from oxygen_ros.engine.detokenizer import IncrementalDetokenizer, is_speakable
 from oxygen_ros.models import load_model
 from oxygen_ros.models.tokenizer import PaliGemmaTokenizer, TinyTokenizer
-from engine_support import SPEECH, ByteProcessor, engine_config, observation
+from engine_support import SPEECH, ByteIO, engine_config, observation
 
 TINY = TinyTokenizer(2048)
 
@@ -181,7 +181,7 @@ def test_is_speakable(text, speakable):
 
 # ---- through the engine -------------------------------------------------------------------------
 
-class TinyTextProcessor(ByteProcessor):
+class TinyTextProcessor(ByteIO):
     """The engine tests' processor, detokenizing with the tiny tokenizer (vocabulary 1024, a quarter
     of it byte-fallback tokens)."""
 

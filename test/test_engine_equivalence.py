@@ -7,7 +7,7 @@ import torch
 from oxygen_ros.engine import Engine, RequestStatus
 from oxygen_ros.models import load_model
 from oxygen_ros.models.reference import reference_generate
-from engine_support import MEMORY, SPEECH, ByteProcessor, engine_config, observation
+from engine_support import MEMORY, SPEECH, ByteIO, engine_config, observation
 
 FRAMES = 20
 
@@ -36,7 +36,7 @@ def _run(model, mode, frames=FRAMES):
 
 
 def _fresh_run(model, mode, frames):
-    engine = Engine(model, ByteProcessor(model.config),
+    engine = Engine(model, ByteIO(model.config),
                     engine_config(mode, [SPEECH, MEMORY]))
     actions, records, events = [], [], []
     for seq in range(frames):
@@ -69,7 +69,7 @@ def test_greedy_text_matches_the_cache_free_reference(model):
     """The first speech request's tokens equal the model's own cache-free greedy decoding."""
     _, _, _, text = _run(model, "unified", frames=1)
     obs = observation(0)
-    proc = ByteProcessor(model.config)
+    proc = ByteIO(model.config)
     images = [obs.images[s] for s in ("base_0_rgb", "left_wrist_0_rgb")]
     features = model.encode_images(proc.images_to_pixels(images))
     ids = torch.tensor([proc.prompt_ids(SPEECH["prompt_template"], obs.instruction, obs.state)])
@@ -82,7 +82,7 @@ def test_greedy_text_matches_the_cache_free_reference(model):
 def test_sharing_counters(model):
     _, _, records, _ = _run(model, "unified")
     _, _, iso_records, _ = _run(model, "isolated")
-    proc = ByteProcessor(model.config)
+    proc = ByteIO(model.config)
     for seq, (uni, iso) in enumerate(zip(records, iso_records)):
         obs = observation(seq, masked=("left_wrist_0_rgb",) if seq % 3 else ())
         image_tokens = 256 * sum(v is not None for v in obs.images.values())
@@ -101,7 +101,7 @@ def test_sharing_counters(model):
 def test_causal_prompt_prefills_images_once_and_forks(causal_model):
     engine, uni_actions, records, uni_text = _run(causal_model, "unified", frames=4)
     _, iso_actions, _, iso_text = _run(causal_model, "isolated", frames=4)
-    proc = ByteProcessor(causal_model.config)
+    proc = ByteIO(causal_model.config)
     for seq, record in enumerate(records):
         obs = observation(seq, masked=("left_wrist_0_rgb",) if seq % 3 else ())
         image_tokens = 256 * sum(v is not None for v in obs.images.values())

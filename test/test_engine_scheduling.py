@@ -10,7 +10,7 @@ import torch
 
 from oxygen_ros.engine import Engine, EngineConfig, RequestStatus
 from oxygen_ros.models import load_model
-from engine_support import MEMORY, SPEECH, ByteProcessor, engine_config, observation
+from engine_support import MEMORY, SPEECH, ByteIO, engine_config, observation
 
 ONE_CAM = ("left_wrist_0_rgb",)
 
@@ -21,7 +21,7 @@ def model():
 
 
 def _engine(model, tasks, **overrides):
-    return Engine(model, ByteProcessor(model.config), engine_config("unified", tasks, **overrides))
+    return Engine(model, ByteIO(model.config), engine_config("unified", tasks, **overrides))
 
 
 def _statuses(events):
@@ -288,7 +288,7 @@ def test_same_prompt_speech_and_memory_share_one_prefix_with_both_needs(model, m
     # Speech listed first: its prefix job (no pooled state) must not shadow memory's need.
     speech = dict(SPEECH, prompt_template=prompt, max_new_tokens=3)
     memory = dict(SPEECH, name="memory", kind="memory", prompt_template=prompt, max_new_tokens=3)
-    engine = Engine(model, ByteProcessor(model.config),
+    engine = Engine(model, ByteIO(model.config),
                     engine_config(mode, [speech, memory], decode_steps_per_cycle=3))
     entries = []
     for seq in range(2):

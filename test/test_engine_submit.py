@@ -10,7 +10,7 @@ import torch
 
 from oxygen_ros.engine import Engine, RequestStatus
 from oxygen_ros.models import load_model
-from engine_support import SPEECH, ByteProcessor, engine_config, observation
+from engine_support import SPEECH, ByteIO, engine_config, observation
 
 # A speech task without a trigger: it runs only on request, so every request of it is a submitted one.
 ON_DEMAND = dict(SPEECH, trigger={}, max_new_tokens=5)
@@ -22,7 +22,7 @@ def model():
 
 
 def _engine(model, tasks=(ON_DEMAND,), **overrides):
-    return Engine(model, ByteProcessor(model.config), engine_config("unified", list(tasks), **overrides))
+    return Engine(model, ByteIO(model.config), engine_config("unified", list(tasks), **overrides))
 
 
 def _finals(events):
@@ -43,7 +43,7 @@ def test_submitted_request_uses_the_submitted_instruction_and_ends_once(model):
     (request,) = asked.active_requests
     obs = observation(1)
     assert request.request_id == request_id and request.obs_seq == 1
-    assert request.prompt_ids == ByteProcessor(model.config).prompt_ids(ON_DEMAND["prompt_template"],
+    assert request.prompt_ids == ByteIO(model.config).prompt_ids(ON_DEMAND["prompt_template"],
                                                                         "open the drawer", obs.state)
     flushed, _ = asked.flush()
     events += flushed
@@ -65,7 +65,7 @@ def test_submitted_prompt_template_replaces_the_tasks(model):
     request_id = engine.submit("speech", prompt_template="Describe: {instruction}\n")
     engine.run_cycle(observation(1))
     (request,) = [r for r in engine.active_requests if r.request_id == request_id]
-    processor = ByteProcessor(model.config)
+    processor = ByteIO(model.config)
     assert request.prompt_ids == processor.prompt_ids("Describe: {instruction}\n", "pick up the cube", None)
     assert _finals(engine.flush()[0])[0].status == RequestStatus.COMPLETED
 

@@ -8,7 +8,7 @@ import torch
 
 from oxygen_ros.engine import Engine
 from oxygen_ros.models import load_model
-from engine_support import MEMORY, ByteProcessor, engine_config, observation
+from engine_support import MEMORY, ByteIO, engine_config, observation
 
 ONE_CAM = ("left_wrist_0_rgb",)
 
@@ -20,7 +20,7 @@ def model():
 
 def test_every_s_triggers_restart_when_stamps_go_backwards(model):
     memory = dict(MEMORY, trigger={"every_s": 1.0})
-    engine = Engine(model, ByteProcessor(model.config), engine_config("unified", [memory]))
+    engine = Engine(model, ByteIO(model.config), engine_config("unified", [memory]))
     # A 2 s bag at 4 Hz, played twice: stamps 10.0 ... 11.75, then 10.0 ... 11.75 again.
     stamps = [10.0 + 0.25 * i for i in range(8)] * 2
     events = []
@@ -35,7 +35,7 @@ def test_every_s_triggers_restart_when_stamps_go_backwards(model):
 
 def test_small_backwards_steps_do_not_fire_early(model):
     memory = dict(MEMORY, trigger={"every_s": 1.0})
-    engine = Engine(model, ByteProcessor(model.config), engine_config("unified", [memory]))
+    engine = Engine(model, ByteIO(model.config), engine_config("unified", [memory]))
     # The newest frame's stamp can step back a little (an optional camera goes stale), here to just
     # below the last request's 11.0: the period restarts at 10.95, it does not fire there.
     stamps = [10.0, 10.5, 11.0, 10.95, 11.5, 11.9, 12.0]

@@ -227,11 +227,13 @@ def decode_rows(processor, robot, runner: ModelRunner, manager: KVCacheManager, 
         ids = processor.prompt_ids(ACTION_PROMPT, obs.instruction, obs.state)
         embeds = torch.cat([features.reshape(-1, features.shape[-1]), runner.embed_prompt(ids)])
         root = manager.new_sequence()
+        manager.reserve([root], [embeds.shape[0]])
         runner.prefill([PrefillRow(root, embeds, embeds.shape[0])], logits=False)
         roots.append(root)
     seqs = [manager.fork(roots[i % len(roots)]) for i in range(batch)]
     for i, seq in enumerate(seqs):
         for _ in range(i % 30):
+            manager.prepare_append(seq, 1)
             runner.decode_step([seq], [5])
     return seqs
 
@@ -255,6 +257,8 @@ def batch_scaling(model, processor, robot, kv_budget_mb: float, batch: int, repe
     samples: dict[int, list[float]] = {1: [], batch: []}
     for _ in range(repeats):
         for size in samples:
+            for seq in seqs[:size]:
+                manager.prepare_append(seq, 1)
             t = time.perf_counter()
             runner.synchronized(runner.decode_step(seqs[:size], [5] * size))
             samples[size].append(time.perf_counter() - t)

@@ -36,7 +36,7 @@ import torch
 from oxygen_ros.bench.cpu_paths import cpu_kernel_choice
 from oxygen_ros.engine import BlockPool, KVCacheManager
 from oxygen_ros.engine.model_runner import ModelRunner
-from oxygen_ros.engine.processing import ModelProcessor
+from oxygen_ros.engine.model_io import ProcessorIO
 from oxygen_ros.models import PRESETS, ROBOTS, cpu_fast_paths, get_preset, get_robot, load_model, load_tokenizer, native
 from oxygen_ros.models.gemma import attention
 from oxygen_ros.models.processing import Processor
@@ -60,7 +60,7 @@ def run(preset: str, robot_name: str, batch: int, rounds: int, keys: int, kv_bud
     config = get_preset(preset)
     model = load_model(config, dtype="float32", device="cpu")
     robot = get_robot(robot_name)
-    processor = ModelProcessor(Processor(model.config, robot, load_tokenizer(config, None)))
+    processor = ProcessorIO(Processor(model.config, robot, load_tokenizer(config, None)))
     names = settings()
     for name in names[1:]:
         if not native.load(name.split()[1]):
@@ -80,6 +80,8 @@ def run(preset: str, robot_name: str, batch: int, rounds: int, keys: int, kv_bud
                     for name in names:
                         _apply(name)
                         for size in (1, batch):
+                            for seq in seqs[:size]:
+                                manager.prepare_append(seq, 1)
                             start = time.perf_counter()
                             runner.decode_step(seqs[:size], [5] * size)
                             if round_:

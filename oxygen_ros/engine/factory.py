@@ -13,7 +13,7 @@ import numpy as np
 
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.engine import Engine
-from oxygen_ros.engine.processing import ModelProcessor
+from oxygen_ros.engine.model_io import ProcessorIO
 from oxygen_ros.engine.types import ActionChunk, Observation
 from oxygen_ros.models import NormStats, RobotConfig, get_preset, load_model
 from oxygen_ros.models.conventions import Conventions
@@ -30,12 +30,12 @@ class ModelParts:
 
     Attributes:
         model: the :class:`oxygen_ros.models.VLAModel`.
-        processor: the engine's processor (:class:`ModelProcessor`) over the models package's.
+        processor: the engine's processor (:class:`~oxygen_ros.engine.model_io.ProcessorIO`) over the models package's.
         robot: the robot's dimensions and camera slots.
     """
 
     model: object
-    processor: ModelProcessor
+    processor: ProcessorIO
     robot: RobotConfig
 
 
@@ -71,7 +71,7 @@ def load_parts(preset: str, robot: RobotConfig, *, checkpoint: str | Path | None
         tokenizer = load_tokenizer(config, tokenizer)
     processor = Processor(config, robot, tokenizer, norm_stats, conventions)
     model = load_model(config, checkpoint, dtype=dtype, device=device, seed=seed)
-    return ModelParts(model, ModelProcessor(processor), robot)
+    return ModelParts(model, ProcessorIO(processor), robot)
 
 
 def build_engine(parts: ModelParts, config: EngineConfig) -> Engine:

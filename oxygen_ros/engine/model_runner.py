@@ -1,51 +1,67 @@
 """Batched model calls over paged KV: the only engine module that calls the model.
 
 Like nano-vllm's ``model_runner.py``: it prepares the inputs of one batched forward (padded embeds,
-the paged view), runs it, and commits the KV. It also counts the work done (vision calls, images
-encoded, prefilled tokens) so tests can assert what was shared.
-
-The model interface (``oxygen_ros/models``): ``dtype``, ``device`` and ``config`` with ``vlm_num_layers``, ``num_kv_heads``,
-``head_dim``, ``num_image_tokens``, ``prompt_mask``, ``eos_token_id``, ``action_horizon``,
-``action_dim``; ``encode_images(pixels [N,3,224,224]) -> [N, num_image_tokens, W]``;
-``embed_tokens(ids [B,T]) -> [B,T,W]``;
-``prefill(embeds, kv, bidirectional_lens, need_logits, return_hidden) -> logits | (logits, pooled)``;
-``denoise(kv, noise, num_steps, state)``; ``decode_step(token_ids, kv) -> logits [B,V]``; optionally
-``enable_cuda_graphs(enabled)`` and ``cuda_graphs`` (None when off).
+the paged view), runs it, and commits the KV. It only executes: the pages a call appends into were
+reserved by its caller (:meth:`KVCacheManager.reserve` / ``prepare_append``, under the scheduler's
+charge accounting), and a view refuses a sequence without them. It also counts the work done (vision
+calls, images encoded, prefilled tokens) so tests can assert what was shared.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 
-from oxygen_ros.engine.block_pool import BlockPoolExhausted
 from oxygen_ros.engine.kv_cache_manager import KVCacheManager, KVSequence
+from oxygen_ros.engine.model_io import ModelIO
+from oxygen_ros.models.kv_cache import KVCacheView
 
 
-class Processor(Protocol):
-    """Pre/post-processing the engine needs from the model package."""
+class ModelShape(Protocol):
+    """The model configuration fields the engine reads (``oxygen_ros/models/config.py``)."""
 
-    def images_to_pixels(self, images: Sequence[np.ndarray]) -> torch.Tensor:
-        """uint8 ``[H, W, 3]`` images -> float ``[N, 3, 224, 224]`` in [-1, 1] (resize with pad)."""
+    vlm_num_layers: int
+    vlm_width: int
+    num_kv_heads: int
+    head_dim: int
+    num_image_tokens: int
+    prompt_mask: str              # "bidirectional" or "causal"
+    eos_token_id: int
+    action_horizon: int
+    action_dim: int
 
-    def prompt_ids(self, template: str, instruction: str, state: np.ndarray | None) -> list[int]:
-        """Token ids of ``template`` filled with the instruction (and the state where it has
-        ``{state}``), BOS included."""
 
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Text of generated token ids."""
+class RunnerModel(Protocol):
+    """What the runner (and the engine) call on a π0.5 / π0 model (``oxygen_ros/models/vla.py``).
 
-    def state_tensor(self, state: np.ndarray | None) -> torch.Tensor | None:
-        """Normalised, padded float32 state ``[action_dim]`` for models that take a continuous state
-        token (π0); None for models that read the state in the prompt (π0.5)."""
+    Optional: ``enable_cuda_graphs(enabled)`` with ``cuda_graphs`` (None when off), and
+    ``prepare_cpu_kernels()``; the runner uses them when the model has them.
+    """
 
-    def actions_out(self, actions: torch.Tensor, state: np.ndarray | None) -> np.ndarray:
-        """Model actions ``[H, action_dim]`` and the state of the observation they were computed from
-        -> float32 robot actions (unnormalised, delta dimensions made absolute against that state,
-        robot adaptation, sliced)."""
+    config: ModelShape
+    dtype: torch.dtype
+    device: torch.device
+
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``pixels [N, 3, 224, 224]`` -> ``[N, num_image_tokens, W]``."""
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [B, T]`` -> ``[B, T, W]``."""
+
+    def prefill(self, embeds: torch.Tensor, kv: KVCacheView, bidirectional_lens: torch.Tensor,
+                need_logits: bool = True, return_hidden: bool = False):
+        """Append ``embeds [B, T, W]`` to ``kv``; logits ``[B, V]`` (or None), and with
+        ``return_hidden`` a ``(logits, pooled [B, W])`` pair."""
+
+    def denoise(self, kv: KVCacheView, noise: torch.Tensor, num_steps: int,
+                state: torch.Tensor | None = None) -> torch.Tensor:
+        """Flow-matching actions ``[B, H, action_dim]`` from ``noise`` over the prefix in ``kv``."""
+
+    def decode_step(self, token_ids: torch.Tensor, kv: KVCacheView) -> torch.Tensor:
+        """One token per row ``token_ids [B]`` appended to ``kv``; logits ``[B, V]``."""
 
 
 @dataclass
@@ -80,16 +96,16 @@ class ModelRunner:
     """Runs encode / prefill / denoise / decode step for the engine.
 
     Args:
-        model: the VLA (see module docstring for the interface).
-        processor: its :class:`Processor`.
+        model: the VLA (:class:`RunnerModel`).
+        io: its :class:`~oxygen_ros.engine.model_io.ModelIO` (image pixels).
         manager: KV-cache manager of the engine's pool.
         cuda_graphs: on a CUDA device, switch the model's CUDA graphs on (True) or off (False) if
             it has them; the setting belongs to the model, so it holds for every runner that shares it.
     """
 
-    def __init__(self, model: Any, processor: Processor, manager: KVCacheManager, cuda_graphs: bool = True):
+    def __init__(self, model: RunnerModel, io: ModelIO, manager: KVCacheManager, cuda_graphs: bool = True):
         self.model = model
-        self.processor = processor
+        self.io = io
         self.manager = manager
         self.counters = WorkCounters()
         self.device = manager.pool.k[0].device
@@ -108,7 +124,7 @@ class ModelRunner:
         if not images:
             cfg = self.model.config
             return torch.zeros((0, cfg.num_image_tokens, cfg.vlm_width), device=self.device)
-        pixels = self.processor.images_to_pixels(images).to(self.device)
+        pixels = self.io.images_to_pixels(images).to(self.device)
         self.counters.vision_calls += 1
         self.counters.images_encoded += len(images)
         return self.synchronized(self.model.encode_images(pixels))
@@ -135,19 +151,16 @@ class ModelRunner:
                 pooled: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One batched prefill of ragged rows; each row's tokens are committed to its sequence.
 
+        The caller reserved the rows' pages (:meth:`KVCacheManager.reserve`).
+
         Returns:
             (fp32 logits ``[B, V]`` at each row's last new token or None,
             pooled hidden state ``[B, W]`` or None).
 
         Raises:
-            BlockPoolExhausted: the pool cannot hold the new tokens (nothing is written then).
+            ValueError: a row's pages cannot hold its new tokens (nothing is written then).
         """
         lens = [row.embeds.shape[0] for row in rows]
-        needed = sum(self.manager.append_blocks_needed(r.seq, n) for r, n in zip(rows, lens))
-        if needed > self.manager.pool.num_free:
-            raise BlockPoolExhausted(f"prefill needs {needed} pages, {self.manager.pool.num_free} free")
-        for row, n in zip(rows, lens):
-            self.manager.prepare_append(row.seq, n)
         width = rows[0].embeds.shape[1]
         embeds = rows[0].embeds.new_zeros((len(rows), max(lens), width))
         for b, row in enumerate(rows):
@@ -178,10 +191,12 @@ class ModelRunner:
         """One batched decode step: append one token per sequence; fp32 logits ``[B, V]`` in the
         order of ``seqs``. The K/V is read from the manager's decode rows (no per-step gather).
 
-        The caller reserved the pages (admission charge) so allocation cannot fail here.
+        The caller gave every sequence a page for its token (``prepare_append``, covered by the
+        request's admission charge).
+
+        Raises:
+            ValueError: a sequence has no page for its next token.
         """
-        for seq in seqs:
-            self.manager.prepare_append(seq, 1)
         view, order = self.manager.decode_view(seqs)
         ids = torch.tensor([token_ids[i] for i in order], dtype=torch.long, device=self.device)
         logits = self.model.decode_step(ids, view)

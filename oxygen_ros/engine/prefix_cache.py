@@ -15,16 +15,26 @@ Users (the action task, language requests) take their own references with
 :meth:`KVCacheManager.fork`, so the tree itself is dropped at the end of each cycle
 (:meth:`PrefixCache.clear`) and pages live exactly as long as some request reads them. The
 namespace in the key keeps tasks apart when they must (SGLang's extra key idea).
+
+:class:`PrefixPlanner` plans with the tree: the key path of a request's prefix, what a node must keep
+for the requests that will fork it, the tokens a request still needs prefilled, and the batched
+prefill (one call per tree level) of the prefixes a cycle asks for.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Hashable
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Hashable
 
 import torch
 
 from oxygen_ros.engine.kv_cache_manager import KVCacheManager, KVSequence
+from oxygen_ros.engine.model_runner import ModelRunner, PrefillRow
+from oxygen_ros.engine.request import Request
+
+if TYPE_CHECKING:
+    from oxygen_ros.engine.meter import CycleMeter
 
 
 @dataclass(eq=False)
@@ -100,3 +110,143 @@ class PrefixCache:
             count += 1
             stack.extend(node.children.values())
         return count
+
+
+@dataclass
+class PrefixJob:
+    """A prefix to find in, or add to, the cycle's prefix tree.
+
+    Attributes:
+        path: its key path (:meth:`PrefixPlanner.path`, or a private path that shares nothing).
+        features: ``[n_cams, tokens, W]`` vision encoding of its images.
+        prompt_ids: the prompt's token ids.
+        logits: keep the next-token logits at its last token (a language request starts from it).
+        pooled: keep the pooled hidden state (a memory request's embedding).
+    """
+
+    path: tuple[Hashable, ...]
+    features: torch.Tensor
+    prompt_ids: tuple[int, ...]
+    logits: bool
+    pooled: bool
+
+
+class PrefixPlanner:
+    """Plans and prefills the cycle's prefixes over one :class:`PrefixCache`.
+
+    Args:
+        manager: the KV-cache manager (pages for new prefixes, forks for prompt children).
+        runner: the model runner that prefills.
+        prompt_mask: the model's prompt mask, ``bidirectional`` or ``causal`` (how prefixes split).
+    """
+
+    def __init__(self, manager: KVCacheManager, runner: ModelRunner, prompt_mask: str):
+        self.tree = PrefixCache(manager)
+        self._manager = manager
+        self._runner = runner
+        self._prompt_mask = prompt_mask
+
+    def path(self, obs_seq: int, mask: tuple[bool, ...],
+             prompt_ids: tuple[int, ...]) -> tuple[Hashable, ...]:
+        """Key path of a prefix in the cycle's tree, split where the model's mask allows."""
+        if self._prompt_mask == "causal":
+            return (("images", obs_seq, mask), ("prompt", prompt_ids))
+        return (("prefix", obs_seq, mask, prompt_ids),)
+
+    def request_path(self, request: Request) -> tuple[Hashable, ...]:
+        """Key path of ``request``'s prefix."""
+        return self.path(request.obs_seq, request.camera_mask, tuple(request.prompt_ids))
+
+    def needs(self, path: tuple[Hashable, ...], candidates: list[Request]) -> tuple[bool, bool]:
+        """``(logits, pooled)`` a prefix node at ``path`` must keep.
+
+        The cycle's prefix tree prefills each prefix once, so its node must serve every request
+        that will fork it, not only the one whose start triggers the prefill: the next-token logits
+        if any not-yet-started request among ``candidates`` maps to ``path``, the pooled hidden
+        state if any of those is a memory request.
+        """
+        users = [r for r in candidates if r.kv is None and self.request_path(r) == path]
+        return bool(users), any(r.task.kind == "memory" for r in users)
+
+    def cost(self, request: Request) -> int:
+        """Tokens to prefill before ``request`` can start, given the cycle's prefix tree."""
+        path = self.request_path(request)
+        if self.tree.lookup(path) is not None:
+            return 0
+        if len(path) == 2 and self.tree.lookup(path[:1]) is not None:
+            return len(request.prompt_ids)
+        return request.prefix_len
+
+    def job(self, request: Request, candidates: list[Request]) -> PrefixJob:
+        """The shared prefix job of ``request`` (its image features, its prompt), keeping what the
+        ``candidates`` that will fork the same node need.
+
+        Raises:
+            RuntimeError: the node exists but was prefilled without the logits or pooled state its
+                requests need (a planning error).
+        """
+        path = self.request_path(request)
+        node = self.tree.lookup(path)
+        if node is not None and (node.logits is None or
+                                 (request.task.kind == "memory" and node.pooled is None)):
+            raise RuntimeError("a shared prefix was prefilled without the logits or pooled "
+                               "state its requests need")
+        logits, pooled = self.needs(path, candidates)
+        return PrefixJob(path, request.image_features, tuple(request.prompt_ids), logits, pooled)
+
+    def nodes(self, jobs: list[PrefixJob], meter: CycleMeter) -> list[PrefixNode]:
+        """Find or prefill every job's prefix; one batched prefill per tree level.
+
+        Level 1 is the whole prefix (bidirectional model, or a private path) or the image block
+        (causal model: images bidirectional among themselves); level 2 the prompt forks of a causal
+        model (prefilled on top of the cached image KV with ``bidirectional_len = 0``). Jobs for
+        the same prefix are one prefill whose outputs are the union of their needs (logits OR,
+        pooled OR).
+
+        Raises:
+            BlockPoolExhausted: the pool cannot hold a level's new tokens (nothing allocated for it).
+        """
+        merged: dict[tuple[Hashable, ...], PrefixJob] = {}
+        for job in jobs:
+            first = merged.setdefault(job.path, replace(job))
+            first.logits |= job.logits
+            first.pooled |= job.pooled
+        for depth in (1, 2):
+            rows, pending = [], []
+            for job in merged.values():
+                if len(job.path) < depth or self.tree.lookup(job.path[:depth]) is not None:
+                    continue
+                if any(job.path[:depth] == other.path[:depth] for other in pending):
+                    continue
+                pending.append(job)
+                rows.append(self._row(job, depth))
+            if not rows:
+                continue
+            final = [len(job.path) == depth for job in pending]
+            want_logits = any(job.logits for job, f in zip(pending, final) if f)
+            want_pooled = any(job.pooled for job, f in zip(pending, final) if f)
+            t = time.perf_counter()
+            self._manager.reserve([row.seq for row in rows], [row.embeds.shape[0] for row in rows])
+            logits, pooled = self._runner.prefill(rows, logits=want_logits, pooled=want_pooled)
+            meter.prefill(sum(r.embeds.shape[0] for r in rows), time.perf_counter() - t)
+            for b, (job, row) in enumerate(zip(pending, rows)):
+                self.tree.insert(job.path[:depth], row.seq,
+                                 None if logits is None else logits[b],
+                                 None if pooled is None else pooled[b])
+        return [self.tree.lookup(job.path) for job in jobs]
+
+    def _row(self, job: PrefixJob, depth: int) -> PrefillRow:
+        """The prefill row of ``job``'s tree level ``depth``."""
+        last = len(job.path) == depth
+        if depth == 2:
+            parent = self.tree.lookup(job.path[:1])
+            return PrefillRow(self._manager.fork(parent.seq),
+                              self._runner.embed_prompt(job.prompt_ids), 0)
+        embeds = job.features.reshape(-1, job.features.shape[-1])
+        # Images are one bidirectional block; the prompt joins it only in openpi's mask.
+        bidirectional = embeds.shape[0]
+        if last:
+            embeds = torch.cat([embeds, self._runner.embed_prompt(job.prompt_ids)])
+            if self._prompt_mask == "bidirectional":
+                bidirectional = embeds.shape[0]
+        return PrefillRow(self._manager.new_sequence(), embeds, bidirectional)

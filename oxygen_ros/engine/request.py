@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +48,8 @@ class Request:
             ``text`` may run ahead of ``text`` by text not yet streamed.
         t_arrival, t_first_token, t_finish: ``time.perf_counter()`` instants (s).
         pooled: pooled prefix hidden state (memory tasks), or None.
+        tag: the triggering observation's ``tag``, handed back on every output of the request.
+        events_sent: text events emitted so far (the next event's ``index``).
     """
 
     task: TaskConfig
@@ -70,6 +73,8 @@ class Request:
     t_first_token: float | None = None
     t_finish: float | None = None
     pooled: torch.Tensor | None = None
+    tag: Any = None
+    events_sent: int = 0
 
     def __post_init__(self) -> None:
         if self.task.sampling.temperature > 0:

@@ -9,6 +9,8 @@ model. Memory policy (vLLM-style reservation, simplified to a worst case per req
   (``charge = pages(prefix_len + max_new_tokens - 1) + 1`` copy-on-write page) on top of every running
   request's charge. Running requests therefore never run out of pages mid-decode, and the sum of
   charges bounds pool use (sharing only makes real use smaller);
+* the request's pages are owned here from admission to its end: :meth:`Scheduler.bind` forks its
+  sequence from its prefix, and :meth:`Scheduler.finish` (every end goes through it) frees them;
 * when a request does not fit, running requests of lower priority are preempted (status
   ``preempted``) if that makes room; otherwise it waits (``admission: wait``, up to ``max_wait_s`` of
   observation time) or ends as ``dropped`` (``admission: drop``, or a charge above the whole pool).
@@ -22,10 +24,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from oxygen_ros.engine.config import EngineConfig
-from oxygen_ros.engine.kv_cache_manager import KVCacheManager
+from oxygen_ros.engine.kv_cache_manager import KVCacheManager, KVSequence
 from oxygen_ros.engine.request import Request
 from oxygen_ros.engine.types import RequestStatus
 
@@ -99,6 +102,38 @@ class StepCostEstimator:
         return None if self._prefill_per_token is None else self._prefill_per_token * tokens
 
 
+@dataclass
+class Admission:
+    """One admitted request and the pages reserved for it (its charge, the worst case of the
+    whole request); its KV sequence (``request.kv``) exists once :meth:`Scheduler.bind` forked it."""
+
+    request: Request
+    reserved_blocks: int
+
+    @property
+    def seq(self) -> KVSequence | None:
+        """The request's own KV sequence, None until bound."""
+        return self.request.kv
+
+
+@dataclass
+class AdmissionPlan:
+    """What one :meth:`Scheduler.admit` decided (in the spirit of vLLM's ``KVCacheBlocks``).
+
+    Attributes:
+        admitted: the admitted requests with their reserved pages, in admission order.
+        forced: admissions over the prefill budget (the guaranteed minimum).
+    """
+
+    admitted: list[Admission] = field(default_factory=list)
+    forced: int = 0
+
+    @property
+    def requests(self) -> list[Request]:
+        """The admitted requests, in admission order."""
+        return [admission.request for admission in self.admitted]
+
+
 class Scheduler:
     """Waiting and running language requests over one KV pool.
 
@@ -138,7 +173,7 @@ class Scheduler:
             self._end(victim, RequestStatus.DROPPED)
 
     def admit(self, now_stamp: float, prefill_cost: Callable[[Request], int],
-              prefill_budget: float, min_admitted: int = 0) -> list[Request]:
+              prefill_budget: float, min_admitted: int = 0) -> AdmissionPlan:
         """Admit waiting requests by priority, then age, as far as pool and prefill budget allow.
 
         Args:
@@ -152,10 +187,12 @@ class Scheduler:
                 must still hold it). Such admissions are counted in :attr:`forced_admissions`.
 
         Returns:
-            The admitted requests, now RUNNING with their charge committed (the engine gives them
-            pages). Requests that end here (dropped, preempted) are reported by :meth:`drain_ended`.
+            The plan: the admitted requests, now RUNNING with their charge committed (their pages
+            come with :meth:`bind`). Requests that end here (dropped, preempted) are reported by
+            :meth:`drain_ended`.
         """
-        admitted = []
+        plan = AdmissionPlan()
+        admitted = plan.admitted
         self.forced_admissions = 0
         for request in sorted(self.waiting, key=lambda r: (-r.task.priority, r.t_arrival)):
             charge = self.charge(request)
@@ -175,15 +212,21 @@ class Scheduler:
                 else:   # the guaranteed minimum: the budget is spent, later ones must fit in 0
                     prefill_budget = 0.0
                     self.forced_admissions += 1
+                    plan.forced += 1
                 self.waiting.remove(request)
                 request.status = RequestStatus.RUNNING
                 request.charged_blocks = charge
                 self.committed_blocks += charge
                 self.running.append(request)
-                admitted.append(request)
+                admitted.append(Admission(request, charge))
             elif not fits and request.task.admission == "drop":
                 self._remove_waiting(request, RequestStatus.DROPPED)
-        return admitted
+        return plan
+
+    def bind(self, admission: Admission, prefix: KVSequence) -> None:
+        """Give an admitted request its own sequence: a fork of its prefix ``prefix`` (shared pages;
+        its first append copies the shared tail page, which its charge covers)."""
+        admission.request.kv = self._manager.fork(prefix)
 
     def decode_batch(self) -> list[Request]:
         """The running requests one decode step advances: all of them up to ``max_batch_size``,
@@ -242,6 +285,7 @@ class Scheduler:
         self._end(request, status)
 
     def _end(self, request: Request, status: RequestStatus) -> None:
+        # Every end of a request passes here: its pages are freed in this one place.
         if request.kv is not None:
             self._manager.free(request.kv)
             request.kv = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -26,6 +26,9 @@ class Observation:
         stamp: acquisition time in seconds (ROS time or ``time.monotonic()``); used by time triggers.
         seq: monotonically increasing sequence number of the observation; also seeds the
             flow-matching noise of its action chunk.
+        tag: any object of the caller's (e.g. the node's header stamp, instruction and camera
+            slots); the engine never reads it and hands it back unchanged on every output produced
+            from this observation (:class:`ActionChunk`, :class:`TextEvent`, :class:`MemoryEntry`).
 
     Raises:
         ValueError: an image is not uint8 ``[H, W, 3]``, the state is not 1-D, or seq is negative.
@@ -36,6 +39,7 @@ class Observation:
     state: np.ndarray | None = None
     stamp: float = 0.0
     seq: int = 0
+    tag: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for slot, image in self.images.items():
@@ -63,12 +67,14 @@ class ActionChunk:
             processor with norm stats, else the model's raw padded output).
         seq, stamp: the observation they were computed from.
         latency_s: seconds from the start of the control cycle to the chunk being ready.
+        tag: that observation's :attr:`Observation.tag`.
     """
 
     actions: np.ndarray
     seq: int
     stamp: float
     latency_s: float
+    tag: Any = field(default=None, repr=False)
 
 
 class RequestStatus(str, enum.Enum):
@@ -91,7 +97,9 @@ class TextEvent:
     """Streaming text of one language request.
 
     Partial events (``final=False``) carry the newly decoded text ``delta``; exactly one final event
-    ends every request and carries the whole ``text`` and the terminal ``status``.
+    ends every request and carries the whole ``text`` and the terminal ``status``. A completed
+    memory request's final event also carries its :class:`MemoryEntry` (``memory``): the engine
+    emits each request once, as this one stream of events.
 
     Attributes:
         request_id: engine-wide unique request id.
@@ -102,6 +110,12 @@ class TextEvent:
         token_ids: all tokens decoded so far.
         final: True for the last event of the request.
         status: request status at the time of the event.
+        index: the event's position among its request's events (0, 1, ...; the final event's index
+            is the number of partial events before it).
+        kind: the task's kind, ``speech`` or ``memory``.
+        tag: the triggering observation's :attr:`Observation.tag`; None for a request submitted and
+            ended before any observation started it.
+        memory: the :class:`MemoryEntry` of a completed memory request (final event only), else None.
     """
 
     request_id: int
@@ -113,6 +127,10 @@ class TextEvent:
     token_ids: list[int]
     final: bool
     status: RequestStatus
+    index: int = 0
+    kind: str = "speech"
+    tag: Any = field(default=None, repr=False)
+    memory: MemoryEntry | None = field(default=None, repr=False)
 
 
 # A final text output is the final event of a request.
@@ -128,6 +146,7 @@ class MemoryEntry:
         text: the caption.
         embedding: float32 ``[W]`` pooled hidden state of the request's prefix, or None when the model
             does not return one.
+        tag: the triggering observation's :attr:`Observation.tag`.
     """
 
     request_id: int
@@ -136,3 +155,4 @@ class MemoryEntry:
     stamp: float
     text: str
     embedding: np.ndarray | None = field(default=None, repr=False)
+    tag: Any = field(default=None, repr=False)

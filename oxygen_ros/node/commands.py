@@ -24,7 +24,6 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Callable
 
-from builtin_interfaces.msg import Time
 from oxygen_ros.action import Ask
 from oxygen_ros.srv import SetInstruction, SwitchActions
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
@@ -242,8 +241,7 @@ class Commands:
                     continue
                 result = Ask.Result(utterance_id=utterance_id, status=_RESULT_STATUS[event.status],
                                     text=event.text, message=_ENDINGS[event.status])
-                result.header.stamp = self._node.observation_stamp(event.seq, event.stamp) \
-                    if event.seq >= 0 else Time()
+                result.header.stamp = self._node.output_stamp(event)
                 if event.status == RequestStatus.COMPLETED:
                     goal_handle.succeed()
                 elif goal_handle.is_cancel_requested:

@@ -57,7 +57,6 @@ import math
 import sys
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -113,16 +112,21 @@ _GRAPH_POLL_S = 1.0   # how often the graph is checked for a latched instruction
 _QUERY_SERVICES = ("get_state", "get_available_states", "get_available_transitions", "get_transition_graph",
                    "describe_parameters", "get_parameters", "get_parameter_types", "list_parameters",
                    "set_parameters", "set_parameters_atomically")
-_OBSERVATIONS_KEPT = 4096   # stamps/instructions of recent observations, for outputs of long language requests
 
 
 @dataclass(frozen=True)
-class _ObservationInfo:
-    """What the outputs of one observation copy: its stamp, instruction and cameras used."""
+class _ObservationTag:
+    """The node's :attr:`Observation.tag`, handed back by the engine on every output of the observation:
+    what those outputs copy (its header stamp, instruction and cameras used)."""
 
     stamp: Time
     instruction: str
     camera_slots: tuple[str, ...]
+
+
+# The tag of outputs no observation started (an asked request cancelled before any cycle took it).
+_NO_OBSERVATION = _ObservationTag(Time(), "", ())
+
 
 
 class OxygenNode(LifecycleNode):
@@ -161,14 +165,11 @@ class OxygenNode(LifecycleNode):
         self._owned_publishers: list = []
         self._owned_subscriptions: list = []
         self._owned_timers: list = []
-        self._memory_tasks: frozenset[str] = frozenset()
         self._cycle_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._active = False
         self._seq = 0
         self._session = ""
-        self._observations: OrderedDict[int, _ObservationInfo] = OrderedDict()
-        self._utterance_sequence: dict[int, int] = {}
         self._speech_text_withheld = 0      # completed utterances without speakable text, since activation
         self._cycle_error_warner = DropCounter(self._log_error)
         self._configure_error: str | None = None
@@ -286,9 +287,11 @@ class OxygenNode(LifecycleNode):
         """The id that the Speech messages (or MemoryEntry) of engine request ``request_id`` carry."""
         return f"{self._session}-{request_id}"
 
-    def observation_stamp(self, seq: int, stamp_s: float) -> Time:
-        """The stamp the outputs of observation ``seq`` carry (``stamp_s``: its stamp in seconds)."""
-        return self._info(seq, stamp_s).stamp
+    @staticmethod
+    def output_stamp(event) -> Time:
+        """The header stamp an output of the engine carries: its observation's (zero when no observation
+        started it)."""
+        return _tag(event).stamp
 
     @property
     def configure_error(self) -> str | None:
@@ -348,9 +351,6 @@ class OxygenNode(LifecycleNode):
         self._inputs = InputStore(settings.cameras, settings.joint_names, settings.default_instruction)
         self._seq = 0
         self._session = f"{int(time.time() * 1e3):x}"
-        self._observations.clear()
-        self._utterance_sequence.clear()
-        self._memory_tasks = frozenset(t.name for t in engine.config.language_tasks if t.kind == "memory")
         self._joint_limits = settings.joint_limits
         self._robot_description_error = None
         self._instruction_received = False
@@ -541,9 +541,9 @@ class OxygenNode(LifecycleNode):
     def _end_language_requests(self, publish: bool) -> None:
         """Cancel every language request and publish their final events; the KV pool ends empty."""
         self._cancel_language_requests()
-        events, memories = self._engine.flush()
+        events, _ = self._engine.flush()
         if publish:
-            self._publish_language(events, memories)
+            self._publish_language(events)
         used = self._engine.pool.num_used
         if used:
             self.get_logger().error(f"{used} KV pages still held after cancelling every language request")
@@ -759,9 +759,8 @@ class OxygenNode(LifecycleNode):
         if not inputs.store_instruction(text):
             return True, "instruction unchanged"
         self.get_logger().info(f"instruction: {text[:200]!r}")
-        for task in engine.config.language_tasks if self._active else ():
-            if task.cancel_on_new_instruction:
-                engine.cancel_task(task.name)
+        # The engine cancels the requests of tasks with cancel_on_new_instruction when the next cycle's
+        # observation carries the new instruction.
         return True, "instruction set: the next control cycle uses it"
 
     def _on_joint_state(self, msg: JointState) -> None:
@@ -807,7 +806,7 @@ class OxygenNode(LifecycleNode):
     def _skip(self, reason: str, detail: str) -> None:
         self._status.record_skip(detail)
         self._skips.drop(reason, f"no action chunk this cycle: {detail}")
-        self._publish_language(*self._engine.take_events())    # requests cancelled meanwhile still end
+        self._publish_language(self._engine.take_events()[0])    # requests cancelled meanwhile still end
 
     def _run_one_cycle(self, settings: NodeSettings, engine: Engine, inputs: InputStore, deadline: float) -> None:
         _, now_s = self._now()
@@ -835,14 +834,11 @@ class OxygenNode(LifecycleNode):
             self._time_restart.clear()
             self._restart_waiting_requests(engine, ready.observation.stamp)
         self._seq += 1
-        info = _ObservationInfo(ready.stamp, ready.observation.instruction, ready.camera_slots)
-        self._observations[ready.observation.seq] = info
-        while len(self._observations) > _OBSERVATIONS_KEPT:
-            self._observations.popitem(last=False)
+        ready.observation.tag = _ObservationTag(ready.stamp, ready.observation.instruction, ready.camera_slots)
         result = engine.run_cycle(ready.observation, deadline, on_action=lambda chunk: self._commands.gate_action(
-            lambda: self._publish_action(chunk, info, settings)))    # withheld while ~/pause_actions
+            lambda: self._publish_action(chunk, settings)))    # withheld while ~/pause_actions
         dropped = sum(1 for e in result.text_events if e.final and e.status == RequestStatus.DROPPED)
-        self._publish_language(result.text_events, result.memory_entries)
+        self._publish_language(result.text_events)
         active = engine.active_requests
         self._status.record_cycle(result.record, dropped, engine.pool.used_bytes,
                                   sum(r.status == RequestStatus.RUNNING for r in active),
@@ -856,9 +852,10 @@ class OxygenNode(LifecycleNode):
             if request.status == RequestStatus.WAITING and request.stamp > stamp_s:
                 engine.cancel(request.request_id)
 
-    def _publish_action(self, chunk: ActionChunk, info: _ObservationInfo, settings: NodeSettings) -> None:
+    def _publish_action(self, chunk: ActionChunk, settings: NodeSettings) -> None:
         """Check the chunk (finite, joint limits, expiry) and publish the ActionChunk and JointTrajectory
         the checks allow (module docstring of output_checks.py)."""
+        info = _tag(chunk)
         actions = chunk.actions
         if not all_finite(actions):
             bad = int(np.sum(~np.isfinite(actions)))
@@ -922,39 +919,34 @@ class OxygenNode(LifecycleNode):
             "expired_trajectories). Synchronise the camera and node clocks, or use trajectory_stamp_policy: now. "
             "This warning is given once per activation.")
 
-    def _info(self, seq: int, stamp_s: float) -> _ObservationInfo:
-        info = self._observations.get(seq)
-        if info is None:    # evicted (a very old request): rebuild the stamp from seconds
-            nanoseconds = round(stamp_s * 1e9)
-            info = _ObservationInfo(Time(sec=nanoseconds // 10**9, nanosec=nanoseconds % 10**9), "", ())
-        return info
-
-    def _publish_language(self, events, memories) -> None:
+    def _publish_language(self, events) -> None:
+        """Speech events on ``~/speech`` (and ``~/speech_text``); a memory request's entry, carried by its final
+        event, on ``~/memory`` (its text events are not speech)."""
         for event in events:
-            if event.task in self._memory_tasks:
-                continue    # memory captions are published as MemoryEntry only
-            info = self._info(event.seq, event.stamp)
-            sequence = self._utterance_sequence.pop(event.request_id, 0) if event.final else \
-                self._utterance_sequence.get(event.request_id, 0)
-            if not event.final:
-                self._utterance_sequence[event.request_id] = sequence + 1
+            if event.kind == "memory":
+                if event.memory is not None:
+                    self._publish_memory(event.memory)
+                continue
+            info = _tag(event)
             self._speech_pub.publish(conversions.speech_msg(
-                event, info.stamp, self.utterance_id(event.request_id), sequence,
+                event, info.stamp, self.utterance_id(event.request_id), event.index,
                 self._commands.instruction_for(event.request_id, info.instruction)))
             if event.final and event.status == RequestStatus.COMPLETED:
                 self._publish_speech_text(event)
-        for entry in memories:
-            if entry.embedding is not None and not all_finite(entry.embedding):
-                bad = int(np.sum(~np.isfinite(entry.embedding)))
-                self._status.record_event("non_finite_embeddings", f"memory request {entry.request_id}")
-                self._withheld.drop("non_finite_embeddings", f"memory entry of observation {entry.seq} withheld: "
-                                    f"{bad} of {entry.embedding.size} embedding values are NaN or infinite")
-                continue
-            info = self._info(entry.seq, entry.stamp)
-            self._memory_pub.publish(conversions.memory_entry_msg(
-                entry, info.stamp, self.utterance_id(entry.request_id), info.camera_slots,
-                self._commands.instruction_for(entry.request_id, info.instruction)))
         self._commands.on_language(events)    # ~/ask goals: feedback and results
+
+    def _publish_memory(self, entry) -> None:
+        """A memory entry on ``~/memory``, unless its embedding is not finite (withheld, counted)."""
+        if entry.embedding is not None and not all_finite(entry.embedding):
+            bad = int(np.sum(~np.isfinite(entry.embedding)))
+            self._status.record_event("non_finite_embeddings", f"memory request {entry.request_id}")
+            self._withheld.drop("non_finite_embeddings", f"memory entry of observation {entry.seq} withheld: "
+                                f"{bad} of {entry.embedding.size} embedding values are NaN or infinite")
+            return
+        info = _tag(entry)
+        self._memory_pub.publish(conversions.memory_entry_msg(
+            entry, info.stamp, self.utterance_id(entry.request_id), info.camera_slots,
+            self._commands.instruction_for(entry.request_id, info.instruction)))
 
     def _publish_speech_text(self, event) -> None:
         """``~/speech_text`` gets a completed utterance's text only when a TTS can say it."""
@@ -1024,6 +1016,12 @@ class OxygenNode(LifecycleNode):
             statuses.append(frequency.status(name, settings.model_id, min_hz, required=required) if self._active
                             else inactive_topic_status(name, settings.model_id, self._lifecycle_state))
         return statuses
+
+
+def _tag(output) -> _ObservationTag:
+    """The node's tag on an engine output (ActionChunk, TextEvent, MemoryEntry): the tag of the observation
+    it came from, as the engine handed it back."""
+    return _NO_OBSERVATION if output.tag is None else output.tag
 
 
 def _error_line(error: BaseException) -> str:

@@ -1,13 +1,15 @@
-"""The engine's :class:`~oxygen_ros.engine.model_runner.Processor` over ``oxygen_ros.models``.
+"""What the engine needs to turn robot data into model inputs and model outputs into robot data.
 
-Wraps the models package's processing (the checkpoint family's resize-with-pad, robot adaptation,
-normalisation, state discretisation, prompt layouts and action post-processing, the tokenizer) so that
-ROS-free callers (benchmarks, notebooks) and the node build engines the same way.
+:class:`ModelIO` is that interface (images to pixels, prompts to token ids, token ids to text, the
+state input, actions out); :class:`ProcessorIO` implements it over the models package's
+:class:`~oxygen_ros.models.processing.Processor` (the checkpoint family's resize-with-pad, robot
+adaptation, normalisation, state discretisation, prompt layouts and action post-processing, the
+tokenizer), so that ROS-free callers (benchmarks, notebooks) and the node build engines the same way.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
@@ -16,8 +18,31 @@ from oxygen_ros.models.conventions import PromptLayout
 from oxygen_ros.models.processing import Processor, build_prompt_tokens, resize_with_pad
 
 
-class ModelProcessor:
-    """Implements the engine's processor protocol with a models-package :class:`Processor`.
+class ModelIO(Protocol):
+    """Pre/post-processing the engine needs from the model package."""
+
+    def images_to_pixels(self, images: Sequence[np.ndarray]) -> torch.Tensor:
+        """uint8 ``[H, W, 3]`` images -> float ``[N, 3, 224, 224]`` in [-1, 1] (resize with pad)."""
+
+    def prompt_ids(self, template: str, instruction: str, state: np.ndarray | None) -> list[int]:
+        """Token ids of ``template`` filled with the instruction (and the state where it has
+        ``{state}``), BOS included."""
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of generated token ids."""
+
+    def state_tensor(self, state: np.ndarray | None) -> torch.Tensor | None:
+        """Normalised, padded float32 state ``[action_dim]`` for models that take a continuous state
+        token (π0); None for models that read the state in the prompt (π0.5)."""
+
+    def actions_out(self, actions: torch.Tensor, state: np.ndarray | None) -> np.ndarray:
+        """Model actions ``[H, action_dim]`` and the state of the observation they were computed from
+        -> float32 robot actions (unnormalised, delta dimensions made absolute against that state,
+        robot adaptation, sliced)."""
+
+
+class ProcessorIO:
+    """Implements :class:`ModelIO` with a models-package :class:`Processor`.
 
     Prompt templates are matched to the family's layouts: the template of its action prompt or of its
     language prompt gets that layout (cleaning, separately tokenised parts, truncation); any other

@@ -1,0 +1,78 @@
+"""What the engine reads from an observation: the camera images and their mask, prompt token ids
+within the model's prompt budget, and the language requests a cycle starts from it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from oxygen_ros.engine.config import EngineConfig, TaskConfig
+from oxygen_ros.engine.inbox import Inbox
+from oxygen_ros.engine.model_io import ModelIO
+from oxygen_ros.engine.request import Request
+from oxygen_ros.engine.types import Observation, RequestStatus
+
+
+class ObservationReader:
+    """Reads observations for one engine.
+
+    Args:
+        config: the engine configuration (camera slots).
+        io: the model's pre/post-processing (prompt token ids).
+        max_prompt_tokens: the model's prompt budget in tokens, or None for no limit.
+        image_tokens_per_camera: the model's tokens per camera image.
+    """
+
+    def __init__(self, config: EngineConfig, io: ModelIO, max_prompt_tokens: int | None,
+                 image_tokens_per_camera: int):
+        self._slots = tuple(config.camera_slots)
+        self._io = io
+        self._max_prompt_tokens = max_prompt_tokens
+        self._tokens_per_camera = image_tokens_per_camera
+
+    def camera_images(self, obs: Observation) -> tuple[list[np.ndarray], tuple[bool, ...]]:
+        """The present cameras' images in ``camera_slots`` order and the slots' presence mask.
+
+        Raises:
+            ValueError: a slot unknown to ``camera_slots``, or no camera present.
+        """
+        unknown = set(obs.images) - set(self._slots)
+        if unknown:
+            raise ValueError(f"observation has camera slots {sorted(unknown)} not in "
+                             f"camera_slots {list(self._slots)}")
+        images = [obs.images.get(slot) for slot in self._slots]
+        mask = tuple(image is not None for image in images)
+        if not any(mask):
+            raise ValueError(f"observation {obs.seq} has no camera image")
+        return [image for image in images if image is not None], mask
+
+    def prompt_ids(self, template: str, obs: Observation,
+                   instruction: str | None = None) -> tuple[int, ...]:
+        """Token ids of ``template`` for ``obs`` (its instruction, or ``instruction`` when given).
+
+        Raises:
+            ValueError: longer than the model's prompt budget.
+        """
+        instruction = obs.instruction if instruction is None else instruction
+        ids = tuple(self._io.prompt_ids(template, instruction, obs.state))
+        if self._max_prompt_tokens is not None and len(ids) > self._max_prompt_tokens:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds the model's budget of "
+                             f"{self._max_prompt_tokens} tokens")
+        return ids
+
+    def requests(self, obs: Observation, mask: tuple[bool, ...], fired: list[TaskConfig],
+                 inbox: Inbox, t_arrival: float) -> list[Request]:
+        """The requests of the tasks that ``fired`` and of the submissions waiting in ``inbox``, for
+        ``obs`` (cameras ``mask``). A fired task's prompt over the budget raises ValueError; a
+        submission's ends that submission only, as ``dropped``."""
+        image_tokens = sum(mask) * self._tokens_per_camera
+        requests = [Request(task, obs.seq, obs.stamp, self.prompt_ids(task.prompt_template, obs),
+                            image_tokens, mask, t_arrival, tag=obs.tag) for task in fired]
+        for submission in inbox.take():
+            try:
+                ids = self.prompt_ids(submission.task.prompt_template, obs, submission.instruction)
+            except ValueError:
+                inbox.end_unstarted(submission, RequestStatus.DROPPED, obs)
+                continue
+            requests.append(Request(submission.task, obs.seq, obs.stamp, list(ids), image_tokens,
+                                    mask, t_arrival, request_id=submission.request_id, tag=obs.tag))
+        return requests
