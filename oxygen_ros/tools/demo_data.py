@@ -30,7 +30,7 @@ images only at the rendered steps (``/observations/image_steps`` [N] gives their
 labels as UTF-8 strings (``/subtask`` [T], ``/caption`` [T]), the simulator's phase flags per step
 (``/phases`` [T, 4]: reached, grasped, lifted, transferred) and the episode's outcome as attributes.
 
-Command line: ``python -m oxygen_ros.tools.demo_data --episodes 50 --out data/demo`` (``--help``).
+Command line: ``python -m oxygen_ros.tools.demo_data --episodes 50 --out runs/demo-data`` (``--help``).
 """
 
 from __future__ import annotations
@@ -675,7 +675,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                  "(per-episode HDF5, ALOHA/ACT layout).")
     parser.add_argument("--episodes", type=int, default=50, help="number of episodes (default 50)")
     parser.add_argument("--seed", type=int, default=0, help="cube seed of the first episode (default 0)")
-    parser.add_argument("--out", type=Path, default=Path("data/demo"), help="output directory (default data/demo)")
+    parser.add_argument("--out", type=Path, default=Path("runs/demo-data"), help="output directory (default runs/demo-data)")
     parser.add_argument("--image-every", type=int, default=5,
                         help="render the cameras every N control steps of 20 ms (default 5: 10 Hz)")
     parser.add_argument("--width", type=int, default=320, help="image width [px] (default 320, the demo robot's)")
