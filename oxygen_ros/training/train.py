@@ -67,7 +67,7 @@ class TrainConfig:
     data: Path
     out: Path = Path("runs/train-demo")
     preset: str = "pi05_demo"
-    steps: int = 3000
+    steps: int = 1200
     batch_size: int = 16
     lr: float = 5e-4
     warmup: int = 100
@@ -140,6 +140,8 @@ class Batches:
         self.caption_prompt = [mp.prompt_ids(CAPTION_PROMPT, INSTRUCTION, s) for s in samples.state]
         self.subtask_target = [tokenizer.encode(SUBTASKS[k]) + [eos] for k in samples.subtask]
         self.caption_target = [tokenizer.encode(c) + [eos] for c in samples.caption]
+        # the longest label in tokens, EOS included: enough decode steps for any label of this data
+        self.max_target = max(len(t) for t in self.subtask_target + self.caption_target)
         dim = processor.config.action_dim
         normed = conv.action_norm.normalize(samples.actions, processor.norm_stats["actions"])
         self.actions = torch.as_tensor(pad_to(normed, dim), dtype=torch.float32)     # [N, H, 32]
@@ -262,7 +264,7 @@ def build_processor(config: VLAConfig, norm_stats) -> Processor:
     return Processor(config, robot, load_tokenizer(config), norm_stats, conventions)
 
 
-def greedy_text(model: VLAModel, image_tokens: torch.Tensor, prompt: list[int], eos: int, max_tokens: int = 24
+def greedy_text(model: VLAModel, image_tokens: torch.Tensor, prompt: list[int], eos: int, max_tokens: int
                 ) -> list[int]:
     """Greedy decoding of one sample through the model's cache-free reference path (inference)."""
     with torch.inference_mode():
@@ -290,8 +292,8 @@ def evaluate(model: VLAModel, batches: Batches, idx: np.ndarray, seed: int) -> d
             noise = torch.randn((1, model.config.action_horizon, model.config.action_dim), generator=gen)
             pred = model.reference_actions(embeds, torch.ones(embeds.shape[:2], dtype=torch.bool), noise)
             mse.append(float(((pred[0].cpu() - batches.actions[i]) ** 2)[:, :len(JOINTS)].mean()))
-            sub = tok.decode(greedy_text(model, tokens[0], batches.subtask_prompt[i], tok.eos_id))
-            cap = tok.decode(greedy_text(model, tokens[0], batches.caption_prompt[i], tok.eos_id))
+            sub = tok.decode(greedy_text(model, tokens[0], batches.subtask_prompt[i], tok.eos_id, batches.max_target))
+            cap = tok.decode(greedy_text(model, tokens[0], batches.caption_prompt[i], tok.eos_id, batches.max_target))
             sub_ok += sub.strip() == SUBTASKS[batches.samples.subtask[i]]
             cap_ok += cap.strip() == batches.samples.caption[i]
     model.train()
