@@ -512,6 +512,8 @@ def generate_episode(seed: int, image_every: int = 5, width: int = 320, height: 
 
     Raises:
         ValueError: ``image_every`` < 1 or an unknown camera.
+        RuntimeError: the replay's physics went unstable (the scene reset itself; never seen with this
+            expert, but such an episode must not be stored).
     """
     from oxygen_ros.tools.sim_robot import AlohaScene
 
