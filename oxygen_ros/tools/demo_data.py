@@ -51,7 +51,7 @@ from pathlib import Path  # noqa: E402
 import mujoco  # noqa: E402
 import numpy as np  # noqa: E402
 from gym_aloha.constants import (ASSETS_DIR, DT, JOINTS, START_ARM_POSE,  # noqa: E402
-                                 normalize_puppet_gripper_position, unnormalize_puppet_gripper_position)
+                                 unnormalize_puppet_gripper_position)
 from gym_aloha.utils import sample_box_pose  # noqa: E402
 
 EE_SCENE = ASSETS_DIR / "bimanual_viperx_end_effector_transfer_cube.xml"
@@ -63,8 +63,6 @@ SUBTASKS = ("move the right arm to the cube", "grasp the cube", "lift the cube",
             "hand the cube to the left arm", "release the cube")
 PHASES = ("reached", "grasped", "lifted", "transferred")
 _QPOS_ARM = (slice(0, 6), slice(8, 14))    # per arm: 6 joints, then two finger slides
-_QPOS_FINGER = (6, 14)
-_CUBE_HALF = 0.02                           # the red box's half side [m]
 _REACH_TOLERANCE = 0.03                     # grasp point within this of the cube centre: "reached" [m]
 _LIFT_HEIGHT = 0.03                         # cube centre this far above its rest height: "lifted" [m]
 # The grasp point (between the fingertips' pads) in the gripper_link frame [m] (measured on the scene: the

@@ -19,7 +19,7 @@ import torch
 
 from oxygen_ros.models.config import NormStats
 from oxygen_ros.models.processing import resize_with_pad
-from oxygen_ros.tools.demo_data import CAMERAS, SUBTASKS, read_episode
+from oxygen_ros.tools.demo_data import CAMERAS, read_episode
 
 # The demo robot's cameras → the model's camera slots (openpi's ALOHA image keys), as in tools/demo.py.
 CAMERA_SLOTS = dict(zip(CAMERAS, ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")))
@@ -132,8 +132,3 @@ def compute_norm_stats(samples: DemoSamples) -> dict[str, NormStats]:
     joint state and action, ``{"state": ..., "actions": ...}``; quantile ranges narrower than
     :data:`MIN_RANGE` are widened to it around their middle."""
     return {"state": _stats(samples.all_states), "actions": _stats(samples.all_actions)}
-
-
-def subtask_text(index: int) -> str:
-    """The subtask label of an index into :data:`SUBTASKS`."""
-    return SUBTASKS[int(index)]
