@@ -77,7 +77,7 @@ class TrainConfig:
     subtask_in_action_prompt: float = 0.0
     image_stride: int = 1
     val_episodes: int = 2
-    eval_samples: int = 32
+    eval_samples: int = 16
     seed: int = 0
     device: str = "cpu"
     log_every: int = 10
@@ -455,7 +455,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--val-episodes", type=int, default=d.val_episodes,
                         help="last N episodes held out for evaluation (default 2)")
     parser.add_argument("--eval-samples", type=int, default=d.eval_samples,
-                        help="samples evaluated after training per split (default 32; 0: none)")
+                        help="samples evaluated after training per split (default 16; 0: none)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed (default 0)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--log-every", type=int, default=d.log_every, help="steps per logged loss (default 10)")
