@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 WITH_ENV := source scripts/env.sh &&
 
-.PHONY: setup test demo bench-model bench-engine bench-roofline clean
+.PHONY: setup test demo demo-data train-demo bench-model bench-engine bench-roofline clean
 
 setup:
 	@bash scripts/setup_env.sh
@@ -13,6 +13,14 @@ test: setup
 
 demo: setup
 	@$(WITH_ENV) python -m oxygen_ros.tools.demo $(DEMO_ARGS)
+
+# The demo policy (docs/demo-policy.md): scripted demonstrations in the simulator, then training π0.5 on
+# them. DATA_ARGS / TRAIN_ARGS pass options (e.g. DATA_ARGS="--episodes 4", TRAIN_ARGS="--steps 100").
+demo-data: setup
+	@$(WITH_ENV) python -m oxygen_ros.tools.demo_data --out runs/demo-data $(DATA_ARGS)
+
+train-demo: setup
+	@$(WITH_ENV) python -m oxygen_ros.training.train --data runs/demo-data --out runs/train-demo $(TRAIN_ARGS)
 
 # The same programs as the console scripts `oxygen-bench-model` / `oxygen-bench-engine` of `pip install .`.
 bench-model: setup

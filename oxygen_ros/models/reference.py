@@ -39,7 +39,7 @@ def block_mask(valid: torch.Tensor, block_start: torch.Tensor) -> torch.Tensor:
     return mask | (eye[None] & ~valid[:, :, None])
 
 
-def _joint_forward(model: VLAModel, prefix: torch.Tensor, prefix_valid: torch.Tensor,
+def joint_forward(model: VLAModel, prefix: torch.Tensor, prefix_valid: torch.Tensor,
                    prefix_start: torch.Tensor, suffix: torch.Tensor | None, suffix_start: torch.Tensor | None,
                    conditioning=None, step: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One MoT forward over ``[prefix (VLM weights); suffix (expert weights)]`` with no cache.
@@ -116,7 +116,7 @@ def reference_actions(model: VLAModel, prefix_embeds: torch.Tensor, prefix_mask:
         tokens = model._action_tokens(x, conditioning, step)
         if c.variant == "pi0":
             tokens = torch.cat((model.state_proj(state.to(model.device, model.dtype))[:, None, :], tokens), dim=1)
-        _, out = _joint_forward(model, prefix_embeds, prefix_mask, starts, tokens, suffix_start[None],
+        _, out = joint_forward(model, prefix_embeds, prefix_mask, starts, tokens, suffix_start[None],
                                      conditioning, step)
         x = x + dt * model.action_out_proj(out[:, -horizon:]).float()
     return x
@@ -127,7 +127,7 @@ def reference_logits(model: VLAModel, prefix_embeds: torch.Tensor, prefix_mask: 
                      prefix_block_start: torch.Tensor | None = None) -> torch.Tensor:
     """Cache-free fp32 logits ``[B, vocab]`` of each row's last valid prefix token (found by mask)."""
     starts = _prefix_starts(prefix_mask, prefix_block_start)
-    hidden, _ = _joint_forward(model, prefix_embeds, prefix_mask, starts, None, None)
+    hidden, _ = joint_forward(model, prefix_embeds, prefix_mask, starts, None, None)
     mask = prefix_mask.to(model.device, torch.bool)
     last = (torch.arange(mask.shape[1], device=model.device)[None, :] * mask).argmax(1)
     return model._lm_logits(hidden[torch.arange(mask.shape[0], device=model.device), last])

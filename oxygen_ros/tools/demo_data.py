@@ -1,0 +1,698 @@
+"""Scripted demonstrations of gym-aloha's bimanual transfer-cube task, for training the demo policy.
+
+Recipe (docs/demo-policy.md):
+
+1. **Expert in end-effector space.** The cube's start pose is drawn with gym-aloha's
+   ``sample_box_pose(seed)`` (x ∈ [0, 0.2] m, y ∈ [0.4, 0.6] m). A waypoint script written from the
+   task geometry moves the grippers of the *mocap* variant of the scene (gym-aloha's
+   ``bimanual_viperx_end_effector_transfer_cube.xml``: each gripper welded to a mocap body, so MuJoCo's
+   constraint solver does the inverse kinematics): the right gripper reaches above the cube, descends,
+   closes, lifts the cube to a hand-over point above the table's centre; the left gripper comes from the
+   other side and closes on the cube's free half; the right gripper opens and backs off. The arms' joint
+   positions are recorded at every control step (50 Hz, gym-aloha's ``DT``).
+2. **Replay in the joint-space scene.** The recorded joint positions and the scripted gripper openings
+   become the 14 absolute position targets (gym-aloha's ``JOINTS`` order and units: 6 joint angles
+   [rad] and the normalised gripper opening per arm) executed by the demo's own simulated robot
+   (:class:`oxygen_ros.tools.sim_robot.AlohaScene`: same scene, actuators, target rate limit, 2 ms
+   physics steps, 20 ms control period). The replay renders the demo's cameras (``top``,
+   ``left_wrist``, ``right_wrist``, 320 x 240 by default) and is what gets stored and scored.
+3. **Labels.** Each step carries the subtask of the script segment it belongs to
+   (:data:`SUBTASKS`) and a scene caption computed from the replay's simulator state
+   (:func:`scene_caption`: where the cube is, which gripper holds it).
+
+Rendering with OSMesa costs ~70-160 ms per image on these CPUs whatever the resolution, so images are
+rendered every ``image_every`` control steps (default 5: 10 Hz, 3 cameras) while the joint states and
+actions are kept at 50 Hz; a training sample is an image step with the 50 Hz action chunk after it.
+
+Storage: one HDF5 file per episode in the ALOHA/ACT layout (``/observations/qpos`` [T, 14],
+``/observations/qvel`` [T, 14], ``/action`` [T, 14], ``/observations/images/<camera>``), with the
+images only at the rendered steps (``/observations/image_steps`` [N] gives their step indices) and the
+labels as UTF-8 strings (``/subtask`` [T], ``/caption`` [T]), the simulator's phase flags per step
+(``/phases`` [T, 4]: reached, grasped, lifted, transferred) and the episode's outcome as attributes.
+
+Command line: ``python -m oxygen_ros.tools.demo_data --episodes 50 --out runs/demo-data`` (``--help``).
+"""
+
+from __future__ import annotations
+
+import os
+
+# MuJoCo picks its OpenGL backend when it is imported: OSMesa works without a display.
+os.environ.setdefault("MUJOCO_GL", "osmesa")
+os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import mujoco  # noqa: E402
+import numpy as np  # noqa: E402
+from gym_aloha.constants import (ASSETS_DIR, DT, JOINTS, START_ARM_POSE,  # noqa: E402
+                                 unnormalize_puppet_gripper_position)
+from gym_aloha.utils import sample_box_pose  # noqa: E402
+
+EE_SCENE = ASSETS_DIR / "bimanual_viperx_end_effector_transfer_cube.xml"
+CAMERAS = ("top", "left_wrist", "right_wrist")   # the demo's simulated robot's (sim_robot.CAMERAS)
+ARMS = ("left", "right")
+INSTRUCTION = "transfer the cube to the left arm"
+# Subtasks in the order the expert performs them (π0.5's high-level labels for this task).
+SUBTASKS = ("move the right arm to the cube", "grasp the cube", "lift the cube",
+            "hand the cube to the left arm", "release the cube")
+PHASES = ("reached", "grasped", "lifted", "transferred")
+_QPOS_ARM = (slice(0, 6), slice(8, 14))    # per arm: 6 joints, then two finger slides
+_REACH_TOLERANCE = 0.03                     # grasp point within this of the cube centre: "reached" [m]
+_LIFT_HEIGHT = 0.03                         # cube centre this far above its rest height: "lifted" [m]
+# The grasp point (between the fingertips' pads) in the gripper_link frame [m] (measured on the scene: the
+# finger geoms' centres lie 0.093 m along the gripper's x axis, the fingers reach ~0.05 m beyond).
+_GRASP_OFFSET = np.array([0.125, 0.0, 0.0])
+# Gripper commands (normalised opening, 0 closed .. 1 open).
+_OPEN, _CLOSED = 1.0, 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# quaternions (w, x, y, z), MuJoCo's convention
+
+
+def _quat_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    out = np.empty(4)
+    mujoco.mju_mulQuat(out, np.asarray(a, float), np.asarray(b, float))
+    return out
+
+
+def _quat_axis(axis, angle: float) -> np.ndarray:
+    out = np.empty(4)
+    mujoco.mju_axisAngle2Quat(out, np.asarray(axis, float), float(angle))
+    return out
+
+
+def _quat_rotate(q: np.ndarray, v: np.ndarray) -> np.ndarray:
+    out = np.empty(3)
+    mujoco.mju_rotVecQuat(out, np.asarray(v, float), np.asarray(q, float))
+    return out
+
+
+def _quat_inverse(q: np.ndarray) -> np.ndarray:
+    out = np.empty(4)
+    mujoco.mju_negQuat(out, np.asarray(q, float))
+    return out
+
+
+def _slerp(a: np.ndarray, b: np.ndarray, s: float) -> np.ndarray:
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    dot = float(a @ b)
+    if dot < 0.0:
+        b, dot = -b, -dot
+    if dot > 0.9995:
+        q = a + s * (b - a)
+        return q / np.linalg.norm(q)
+    theta = math.acos(dot)
+    return (math.sin((1 - s) * theta) * a + math.sin(s * theta) * b) / math.sin(theta)
+
+
+def gripper_quat(arm: str, pitch: float) -> np.ndarray:
+    """Orientation of ``arm``'s gripper_link pointing toward the other arm, tipped down by ``pitch`` [rad].
+
+    The left gripper's x axis points along +x (world) at zero pitch, the right one's along -x (its base
+    is turned by π about z); pitch rotates about the gripper's own y axis, which tips its x axis down.
+    """
+    yaw = _quat_axis([0, 0, 1], 0.0 if arm == "left" else math.pi)
+    return _quat_mul(yaw, _quat_axis([0, 1, 0], pitch))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the expert's plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Waypoint:
+    """One key pose of one arm's gripper; poses between waypoints are interpolated (linear position,
+    spherical orientation, linear opening).
+
+    Attributes:
+        t: time since the episode start [s].
+        pos: grasp point (centre between the fingertips) in the world [m], float ``[3]``.
+        quat: gripper_link orientation (w, x, y, z), float ``[4]``.
+        grip: commanded normalised gripper opening (0 closed, 1 open).
+    """
+
+    t: float
+    pos: np.ndarray
+    quat: np.ndarray
+    grip: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The expert's script for one episode.
+
+    Attributes:
+        left, right: each arm's waypoints, increasing in ``t``, the first at t = 0.
+        segments: ``(start time [s], index into SUBTASKS)``, increasing; a step belongs to the last
+            segment started at or before it.
+        duration: episode length [s].
+    """
+
+    left: tuple[Waypoint, ...]
+    right: tuple[Waypoint, ...]
+    segments: tuple[tuple[float, int], ...]
+    duration: float
+
+    def pose(self, arm: str, t: float) -> tuple[np.ndarray, np.ndarray, float]:
+        """``(grasp point [3], quaternion [4], gripper opening)`` of ``arm`` at time ``t`` [s]."""
+        points = self.left if arm == "left" else self.right
+        if t <= points[0].t:
+            w = points[0]
+            return w.pos, w.quat, w.grip
+        for a, b in zip(points, points[1:]):
+            if t <= b.t:
+                s = (t - a.t) / (b.t - a.t)
+                # smoothstep: zero velocity at every waypoint, so the arms start and stop gently
+                s = s * s * (3.0 - 2.0 * s)
+                return a.pos + s * (b.pos - a.pos), _slerp(a.quat, b.quat, s), a.grip + s * (b.grip - a.grip)
+        w = points[-1]
+        return w.pos, w.quat, w.grip
+
+    def subtask(self, t: float) -> int:
+        """Index into :data:`SUBTASKS` of the segment running at time ``t`` [s]."""
+        index = self.segments[0][1]
+        for start, which in self.segments:
+            if t + 1e-9 >= start:
+                index = which
+        return index
+
+
+# Geometry and timing of the script [m, rad, s] (chosen on the scene: see docs/demo-policy.md).
+_APPROACH_HEIGHT = 0.10    # above the cube before descending
+_GRASP_HEIGHT = 0.005      # the right fingertips this far above the cube centre when closing: the pads
+#                            hold the cube's upper right quarter, its lower left stays free
+_GRASP_PITCH = 1.0         # the right gripper tipped down by ~57°; kept until the release, so the cube
+#                            stays upright for the left gripper
+_HANDOVER = np.array([0.0, 0.5, 0.22])   # where the right gripper brings the cube
+_LEFT_REACH = 0.004        # the left fingertips stop this far short of the cube centre (x)
+_PRE_HANDOVER = 0.12       # the left gripper waits this much further left before closing in
+_HANDOVER_TIME = 6.4       # the cube has settled at the hand-over point; the left approach is planned then
+_DURATION = 10.6
+
+
+def plan_transfer(cube: np.ndarray, start: dict[str, tuple[np.ndarray, np.ndarray]],
+                  handover_cube: np.ndarray | None = None) -> Plan:
+    """The expert's waypoints for a cube resting at ``cube`` (centre, world [m]).
+
+    The right gripper, tipped down, picks the cube off the table from above with its fingertips (their
+    pads on the upper right of the cube's side faces) and carries it to the hand-over point; the left
+    gripper, level, comes in from the left and closes on the free left half of the side faces; the
+    right gripper opens and backs off along its approach.
+
+    Args:
+        cube: float ``[3]`` cube centre at rest.
+        start: per arm, the ``(grasp point, quaternion)`` of the gripper at the start pose.
+        handover_cube: the cube centre observed at ``_HANDOVER_TIME`` (the expert re-plans the left
+            arm's approach on where the cube really sits in the right gripper); None = the plan's
+            hand-over point.
+
+    Returns:
+        the :class:`Plan` (10.6 s).
+    """
+    cube = np.asarray(cube, dtype=float)
+    down = gripper_quat("right", _GRASP_PITCH)
+    left_level = gripper_quat("left", 0.0)
+    above = cube + [0.0, 0.0, _APPROACH_HEIGHT]
+    at_cube = cube + [0.0, 0.0, _GRASP_HEIGHT]
+    lifted = cube + [0.0, 0.0, 0.12]
+    x = np.array([1.0, 0.0, 0.0])
+    # where the right grasp point must go for the cube to reach the hand-over point
+    right_hold = _HANDOVER + (at_cube - cube)
+    held = _HANDOVER if handover_cube is None else np.asarray(handover_cube, dtype=float)
+    left_hold = held - _LEFT_REACH * x
+    backoff = right_hold - 0.08 * _quat_rotate(down, x)
+    r0, l0 = start["right"], start["left"]
+    right = (
+        Waypoint(0.0, r0[0], r0[1], _OPEN),
+        Waypoint(1.5, above, down, _OPEN),
+        Waypoint(2.1, at_cube, down, _OPEN),
+        Waypoint(3.1, at_cube, down, _CLOSED),
+        Waypoint(3.3, at_cube, down, _CLOSED),
+        Waypoint(4.3, lifted, down, _CLOSED),
+        Waypoint(5.8, right_hold, down, _CLOSED),
+        Waypoint(8.4, right_hold, down, _CLOSED),
+        Waypoint(9.4, right_hold, down, _OPEN),
+        Waypoint(10.2, backoff, down, _OPEN),
+        Waypoint(_DURATION, backoff, down, _OPEN),
+    )
+    left = (
+        Waypoint(0.0, l0[0], l0[1], _OPEN),
+        Waypoint(4.3, l0[0], l0[1], _OPEN),
+        Waypoint(5.8, left_hold - _PRE_HANDOVER * x, left_level, _OPEN),
+        Waypoint(_HANDOVER_TIME, left_hold - _PRE_HANDOVER * x, left_level, _OPEN),
+        Waypoint(7.2, left_hold, left_level, _OPEN),
+        Waypoint(8.2, left_hold, left_level, _CLOSED),
+        Waypoint(_DURATION, left_hold, left_level, _CLOSED),
+    )
+    segments = ((0.0, 0), (2.1, 1), (3.3, 2), (4.3, 3), (8.4, 4))
+    return Plan(left, right, segments, _DURATION)
+
+
+_TRACK_GAIN = 0.1
+_TRACK_LIMIT = 0.08
+
+
+class EndEffectorScene:
+    """gym-aloha's mocap transfer-cube scene: each gripper_link welded to a mocap body.
+
+    The weld keeps the pose of the gripper relative to its mocap body that the two had in the model's
+    reference configuration (MuJoCo's weld ``relpose`` default), read from ``eq_data``; :meth:`command`
+    places the mocap bodies so that the grippers' grasp points reach the requested poses.
+
+    Args:
+        cube_pose: float ``[7]`` cube position and quaternion (``sample_box_pose``).
+    """
+
+    def __init__(self, cube_pose: np.ndarray):
+        self.model = mujoco.MjModel.from_xml_path(str(EE_SCENE))
+        self.data = mujoco.MjData(self.model)
+        self._relpose = {}
+        for i in range(self.model.neq):
+            mocap = self.model.body(self.model.eq_obj1id[i]).name
+            arm = mocap.removeprefix("mocap_")
+            self._relpose[arm] = (self.model.eq_data[i, 3:6].copy(), self.model.eq_data[i, 6:10].copy())
+        self._mocap = {arm: self.model.body(f"mocap_{arm}").mocapid[0] for arm in ARMS}
+        self._gripper = {arm: self.model.body(f"vx300s_{arm}/gripper_link").id for arm in ARMS}
+        self.data.qpos[:16] = START_ARM_POSE
+        self.data.qpos[16:23] = cube_pose
+        mujoco.mj_forward(self.model, self.data)
+        for arm in ARMS:
+            pos, quat = self.grasp_pose(arm)
+            self._place(arm, pos, quat)
+        self.data.ctrl[:] = self._finger_ctrl(_OPEN, _OPEN)
+        self._lead = {arm: np.zeros(3) for arm in ARMS}
+
+    def grasp_pose(self, arm: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(grasp point [3], gripper_link quaternion [4])`` of ``arm`` now."""
+        body = self._gripper[arm]
+        quat = self.data.xquat[body].copy()
+        return self.data.xpos[body] + _quat_rotate(quat, _GRASP_OFFSET), quat
+
+    def _place(self, arm: str, pos: np.ndarray, quat: np.ndarray) -> None:
+        relpos, relquat = self._relpose[arm]
+        mocap_quat = _quat_mul(quat, _quat_inverse(relquat))
+        link_pos = np.asarray(pos, float) - _quat_rotate(quat, _GRASP_OFFSET)
+        self.data.mocap_quat[self._mocap[arm]] = mocap_quat
+        self.data.mocap_pos[self._mocap[arm]] = link_pos - _quat_rotate(mocap_quat, relpos)
+
+    @staticmethod
+    def _finger_ctrl(left: float, right: float) -> np.ndarray:
+        lf = unnormalize_puppet_gripper_position(float(np.clip(left, 0.0, 1.0)))
+        rf = unnormalize_puppet_gripper_position(float(np.clip(right, 0.0, 1.0)))
+        return np.array([lf, -lf, rf, -rf])
+
+    def command(self, poses: dict[str, tuple[np.ndarray, np.ndarray, float]]) -> None:
+        """Target ``(grasp point, quaternion, opening)`` per arm for the next :meth:`step`.
+
+        The weld is soft (the arms sag under gravity and lag behind the mocap bodies by a few cm), so the
+        mocap bodies are led by an integral of the grasp points' position error (gain ``_TRACK_GAIN`` per
+        step, at most ``_TRACK_LIMIT`` m): the grasp points settle on their targets.
+        """
+        for arm in ARMS:
+            error = np.asarray(poses[arm][0], float) - self.grasp_pose(arm)[0]
+            lead = self._lead[arm] + _TRACK_GAIN * error
+            norm = float(np.linalg.norm(lead))
+            self._lead[arm] = lead if norm <= _TRACK_LIMIT else lead * (_TRACK_LIMIT / norm)
+            self._place(arm, np.asarray(poses[arm][0], float) + self._lead[arm], poses[arm][1])
+        self.data.ctrl[:] = self._finger_ctrl(poses["left"][2], poses["right"][2])
+
+    def step(self, duration_s: float) -> None:
+        """Advance the physics by ``duration_s`` [s] in 2 ms steps."""
+        mujoco.mj_step(self.model, self.data, nstep=max(1, round(duration_s / self.model.opt.timestep)))
+
+    def arm_joints(self) -> np.ndarray:
+        """float ``[12]``: the left then the right arm's 6 joint angles [rad]."""
+        return np.concatenate([self.data.qpos[_QPOS_ARM[0]], self.data.qpos[_QPOS_ARM[1]]])
+
+    def cube_position(self) -> np.ndarray:
+        return self.data.qpos[16:19].copy()
+
+
+# ---------------------------------------------------------------------------------------------------
+# what the simulator says: contacts, phases, captions
+
+
+@dataclasses.dataclass(frozen=True)
+class SceneState:
+    """The task-relevant facts of one simulator state (either scene: the geoms have the same names).
+
+    Attributes:
+        cube: cube centre in the world [m], float ``[3]``.
+        right_fingers, left_fingers: how many of the gripper's two fingers touch the cube (0-2).
+        on_table: whether the cube touches the table.
+        right_distance: distance from the right gripper's grasp point to the cube centre [m].
+    """
+
+    cube: np.ndarray
+    right_fingers: int
+    left_fingers: int
+    on_table: bool
+    right_distance: float
+
+    @property
+    def right_holds(self) -> bool:
+        return self.right_fingers == 2
+
+    @property
+    def left_holds(self) -> bool:
+        return self.left_fingers == 2
+
+
+class _Geoms:
+    """Geom ids of the cube, the table and each gripper's fingers in one model."""
+
+    def __init__(self, model: mujoco.MjModel):
+        self.cube = model.geom("red_box").id
+        self.table = model.geom("table").id
+        self.fingers = {arm: {model.geom(f"vx300s_{arm}/10_{side}_gripper_finger").id for side in ARMS}
+                        for arm in ARMS}
+        self.right_gripper = model.body("vx300s_right/gripper_link").id
+
+
+def scene_state(model: mujoco.MjModel, data: mujoco.MjData, geoms: _Geoms | None = None) -> SceneState:
+    """The :class:`SceneState` of ``data`` (contacts of the last physics step)."""
+    g = geoms or _Geoms(model)
+    touching: set[int] = set()
+    for i in range(data.ncon):
+        a, b = int(data.contact[i].geom1), int(data.contact[i].geom2)
+        if a == g.cube:
+            touching.add(b)
+        elif b == g.cube:
+            touching.add(a)
+    cube = data.geom_xpos[g.cube].copy()
+    grasp = data.xpos[g.right_gripper] + _quat_rotate(data.xquat[g.right_gripper], _GRASP_OFFSET)
+    return SceneState(cube=cube, right_fingers=len(touching & g.fingers["right"]),
+                      left_fingers=len(touching & g.fingers["left"]), on_table=g.table in touching,
+                      right_distance=float(np.linalg.norm(grasp - cube)))
+
+
+def phase_flags(state: SceneState, rest_height: float) -> np.ndarray:
+    """bool ``[4]`` over :data:`PHASES` for one state (an episode's outcome is the running OR):
+
+    * reached: the right grasp point within 3 cm of the cube centre;
+    * grasped: both right fingers touch the cube;
+    * lifted: grasped, the cube off the table and ≥ 3 cm above ``rest_height`` (its resting centre);
+    * transferred: both left fingers hold the cube, no right finger touches it, and it is off the table
+      (gym-aloha's top reward, with the right gripper's release added).
+    """
+    reached = state.right_distance < _REACH_TOLERANCE
+    lifted = state.right_holds and not state.on_table and state.cube[2] > rest_height + _LIFT_HEIGHT
+    transferred = state.left_holds and state.right_fingers == 0 and not state.on_table
+    return np.array([reached, state.right_holds, lifted, transferred])
+
+
+def scene_caption(state: SceneState) -> str:
+    """A short caption of the scene for memory: where the cube is and which gripper holds it."""
+    if state.left_holds and state.right_holds:
+        return "both grippers hold the cube"
+    holder = "the right gripper" if state.right_holds else "the left gripper" if state.left_holds else None
+    if holder is None:
+        if not state.on_table:
+            return "the cube is in the air"
+        side = "left" if state.cube[0] < -0.05 else "right" if state.cube[0] > 0.05 else "middle"
+        return f"the cube is on the {side} of the table"
+    return f"{holder} holds the cube " + ("on the table" if state.on_table else "in the air")
+
+
+# ---------------------------------------------------------------------------------------------------
+# episodes
+
+
+@dataclasses.dataclass
+class Episode:
+    """One demonstration, replayed in the joint-space scene (all arrays over T control steps of DT).
+
+    Attributes:
+        seed: seed of the cube's start pose (``sample_box_pose(seed)``).
+        qpos, qvel: float32 ``[T, 14]`` joint state before each action (gym-aloha ``JOINTS`` order: 6 joint
+            angles [rad] and the normalised gripper opening per arm; velocities [rad/s], [1/s]).
+        action: float32 ``[T, 14]`` absolute position targets, same order and units.
+        images: per camera uint8 ``[N, height, width, 3]`` rendered at ``image_steps``.
+        image_steps: int32 ``[N]`` the steps the images were rendered at (before that step's action).
+        subtask: ``[T]`` indices into :data:`SUBTASKS`; caption: ``[T]`` strings (:func:`scene_caption`).
+        phases: bool ``[T, 4]`` :func:`phase_flags` after each step.
+        expert_phases: bool ``[4]`` the phases the expert reached in the end-effector scene.
+        cube_start: float ``[3]`` the cube's resting centre [m].
+    """
+
+    seed: int
+    qpos: np.ndarray
+    qvel: np.ndarray
+    action: np.ndarray
+    images: dict[str, np.ndarray]
+    image_steps: np.ndarray
+    subtask: np.ndarray
+    caption: list[str]
+    phases: np.ndarray
+    expert_phases: np.ndarray
+    cube_start: np.ndarray
+
+    @property
+    def outcome(self) -> np.ndarray:
+        """bool ``[4]``: whether each phase was reached at some step; ``transferred`` at the last step."""
+        out = self.phases.any(axis=0)
+        out[3] = bool(self.phases[-1, 3])
+        return out
+
+
+_SETTLE_S = 0.2   # the cube drops from gym-aloha's sampled z = 0.05 m onto the table first
+
+
+def expert_joint_trajectory(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Run the expert in the end-effector scene for the cube of ``seed``.
+
+    Returns:
+        ``(actions float32 [T, 14], subtask int8 [T], expert phases bool [4])``: the arm joint angles
+        reached after each control step and the commanded gripper openings, in ``JOINTS`` order.
+    """
+    scene = EndEffectorScene(sample_box_pose(seed))
+    scene.step(_SETTLE_S)
+    cube = scene.cube_position()
+    start = {arm: scene.grasp_pose(arm) for arm in ARMS}
+    plan = plan_transfer(cube, start)
+    geoms = _Geoms(scene.model)
+    steps = int(round(plan.duration / DT))
+    actions = np.empty((steps, 14), np.float32)
+    subtask = np.empty(steps, np.int8)
+    reached = np.zeros(4, bool)
+    for k in range(steps):
+        t = k * DT
+        if abs(t - _HANDOVER_TIME) < DT / 2:
+            plan = plan_transfer(cube, start, scene.cube_position())
+        poses = {arm: plan.pose(arm, t) for arm in ARMS}
+        scene.command(poses)
+        scene.step(DT)
+        joints = scene.arm_joints()
+        actions[k] = np.concatenate([joints[:6], [poses["left"][2]], joints[6:], [poses["right"][2]]])
+        subtask[k] = plan.subtask(t)
+        flags = phase_flags(scene_state(scene.model, scene.data, geoms), cube[2])
+        reached |= flags
+    reached[3] = bool(flags[3])
+    return actions, subtask, reached
+
+
+def generate_episode(seed: int, image_every: int = 5, width: int = 320, height: int = 240,
+                     cameras: tuple[str, ...] = CAMERAS) -> Episode:
+    """One demonstration: the expert's joint trajectory replayed in the demo robot's joint-space scene.
+
+    Args:
+        seed: cube pose seed (same seed ⇒ identical arrays on one machine and MuJoCo build).
+        image_every: render the cameras every this many control steps (≥ 1).
+        width, height: image size [px] (the demo robot's default 320 x 240).
+        cameras: which cameras to render (empty: none).
+
+    Raises:
+        ValueError: ``image_every`` < 1 or an unknown camera.
+        RuntimeError: the replay's physics went unstable (the scene reset itself; never seen with this
+            expert, but such an episode must not be stored).
+    """
+    from oxygen_ros.tools.sim_robot import AlohaScene
+
+    if image_every < 1:
+        raise ValueError(f"image_every must be >= 1, got {image_every}")
+    unknown = set(cameras) - set(CAMERAS)
+    if unknown:
+        raise ValueError(f"unknown cameras {sorted(unknown)}; the scene's are {CAMERAS}")
+    actions, subtask, expert = expert_joint_trajectory(seed)
+    scene = AlohaScene(width=width, height=height, seed=seed)
+    try:
+        scene.step(_SETTLE_S)
+        geoms = _Geoms(scene.model)
+        rest = scene_state(scene.model, scene.data, geoms).cube
+        steps = len(actions)
+        qpos = np.empty((steps, 14), np.float32)
+        qvel = np.empty((steps, 14), np.float32)
+        phases = np.empty((steps, 4), bool)
+        captions = []
+        image_steps = np.arange(0, steps, image_every, dtype=np.int32)
+        images = {camera: np.empty((len(image_steps), height, width, 3), np.uint8) for camera in cameras}
+        for k in range(steps):
+            position, velocity = scene.joint_state()
+            qpos[k], qvel[k] = position, velocity
+            state = scene_state(scene.model, scene.data, geoms)
+            captions.append(scene_caption(state))
+            if k % image_every == 0:
+                for camera in cameras:
+                    images[camera][k // image_every] = scene.render(camera)
+            scene.set_action(actions[k])
+            scene.step(DT)
+            phases[k] = phase_flags(scene_state(scene.model, scene.data, geoms), rest[2])
+        if scene.resets:
+            raise RuntimeError(f"episode {seed}: the physics went unstable during the replay")
+    finally:
+        scene.close()
+    return Episode(seed=seed, qpos=qpos, qvel=qvel, action=actions, images=images, image_steps=image_steps,
+                   subtask=subtask, caption=captions, phases=phases, expert_phases=expert, cube_start=rest)
+
+
+def write_episode(episode: Episode, path: str | Path, compression: str | None = "gzip") -> Path:
+    """Write ``episode`` as one HDF5 file in the ALOHA/ACT layout (module docstring), via h5py.
+
+    Datasets: ``/observations/qpos``, ``/observations/qvel``, ``/action`` float32 ``[T, 14]``;
+    ``/observations/images/<camera>`` uint8 ``[N, H, W, 3]`` (one chunk per image, ``compression``);
+    ``/observations/image_steps`` int32 ``[N]``; ``/subtask`` and ``/caption`` UTF-8 strings ``[T]``;
+    ``/subtask_index`` int8 ``[T]``; ``/phases`` bool ``[T, 4]``. Attributes: ``sim`` (True), ``seed``,
+    ``dt`` [s], ``instruction``, ``joint_names``, ``subtasks``, ``phase_names``, ``outcome`` and
+    ``expert_outcome`` (bool ``[4]``), ``cube_start`` [m], ``image_every``.
+
+    Returns:
+        the path written.
+    """
+    import h5py
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = h5py.string_dtype("utf-8")
+    with h5py.File(path, "w") as f:
+        f.attrs.update({"sim": True, "seed": episode.seed, "dt": DT, "instruction": INSTRUCTION,
+                        "joint_names": list(JOINTS), "subtasks": list(SUBTASKS), "phase_names": list(PHASES),
+                        "outcome": episode.outcome, "expert_outcome": episode.expert_phases,
+                        "cube_start": episode.cube_start,
+                        "image_every": int(episode.image_steps[1] - episode.image_steps[0])
+                        if len(episode.image_steps) > 1 else len(episode.action)})
+        obs = f.create_group("observations")
+        obs.create_dataset("qpos", data=episode.qpos)
+        obs.create_dataset("qvel", data=episode.qvel)
+        obs.create_dataset("image_steps", data=episode.image_steps)
+        images = obs.create_group("images")
+        for camera, frames in episode.images.items():
+            images.create_dataset(camera, data=frames, chunks=(1, *frames.shape[1:]) if len(frames) else None,
+                                  compression=compression)
+        f.create_dataset("action", data=episode.action)
+        f.create_dataset("subtask", data=[SUBTASKS[i] for i in episode.subtask], dtype=text)
+        f.create_dataset("subtask_index", data=episode.subtask)
+        f.create_dataset("caption", data=episode.caption, dtype=text)
+        f.create_dataset("phases", data=episode.phases)
+    return path
+
+
+def read_episode(path: str | Path) -> Episode:
+    """Read a file written by :func:`write_episode` back into an :class:`Episode`.
+
+    Raises:
+        FileNotFoundError: no such file.
+        KeyError: a dataset of the layout is missing.
+    """
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        index = {name: i for i, name in enumerate(f.attrs["subtasks"])}
+        subtask = np.asarray([index[s.decode() if isinstance(s, bytes) else s] for s in f["subtask"][()]], np.int8)
+        return Episode(
+            seed=int(f.attrs["seed"]), qpos=f["observations/qpos"][()], qvel=f["observations/qvel"][()],
+            action=f["action"][()], images={c: f["observations/images"][c][()] for c in f["observations/images"]},
+            image_steps=f["observations/image_steps"][()], subtask=subtask,
+            caption=[s.decode() if isinstance(s, bytes) else s for s in f["caption"][()]],
+            phases=f["phases"][()], expert_phases=np.asarray(f.attrs["expert_outcome"], bool),
+            cube_start=np.asarray(f.attrs["cube_start"]))
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of a success rate (Wilson 1927); ``(0, 1)`` for no trials."""
+    if trials == 0:
+        return 0.0, 1.0
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def generate_dataset(out_dir: str | Path, episodes: int, seed: int = 0, image_every: int = 5, width: int = 320,
+                     height: int = 240, progress: bool = True) -> dict:
+    """Generate ``episodes`` demonstrations (cube seeds ``seed .. seed + episodes - 1``) into ``out_dir``
+    as ``episode_<i>.hdf5`` plus ``dataset.json`` (the recipe, each episode's outcome, the expert's
+    success rate per phase with its 95 % Wilson interval, and the measured seconds per episode).
+
+    Returns:
+        the content of ``dataset.json``.
+
+    Raises:
+        ValueError: ``episodes`` < 1 or ``image_every`` < 1.
+    """
+    from tqdm import tqdm
+
+    if episodes < 1:
+        raise ValueError(f"episodes must be >= 1, got {episodes}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+    bar = tqdm(range(episodes), desc="demonstrations", unit="episode", disable=not progress)
+    for i in bar:
+        start = time.perf_counter()
+        episode = generate_episode(seed + i, image_every=image_every, width=width, height=height)
+        write_episode(episode, out / f"episode_{i}.hdf5")
+        records.append({"file": f"episode_{i}.hdf5", "seed": seed + i, "steps": len(episode.action),
+                        "images_per_camera": len(episode.image_steps),
+                        "outcome": dict(zip(PHASES, map(bool, episode.outcome))),
+                        "expert_outcome": dict(zip(PHASES, map(bool, episode.expert_phases))),
+                        "seconds": round(time.perf_counter() - start, 3)})
+        done = sum(r["outcome"]["transferred"] for r in records)
+        bar.set_postfix(transferred=f"{done}/{len(records)}")
+    success = {}
+    for phase in PHASES:
+        k = sum(r["outcome"][phase] for r in records)
+        low, high = wilson_interval(k, len(records))
+        success[phase] = {"successes": k, "episodes": len(records), "rate": k / len(records),
+                          "ci95": [round(low, 4), round(high, 4)]}
+    summary = {"instruction": INSTRUCTION, "subtasks": list(SUBTASKS), "cameras": list(CAMERAS),
+               "width": width, "height": height, "dt": DT, "image_every": image_every, "seed": seed,
+               "success": success, "seconds_per_episode": round(float(np.mean([r["seconds"] for r in records])), 3),
+               "episodes": records}
+    (out / "dataset.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m oxygen_ros.tools.demo_data",
+                                     description="Scripted transfer-cube demonstrations in gym-aloha's scene "
+                                                 "(per-episode HDF5, ALOHA/ACT layout).")
+    parser.add_argument("--episodes", type=int, default=50, help="number of episodes (default 50)")
+    parser.add_argument("--seed", type=int, default=0, help="cube seed of the first episode (default 0)")
+    parser.add_argument("--out", type=Path, default=Path("runs/demo-data"), help="output directory (default runs/demo-data)")
+    parser.add_argument("--image-every", type=int, default=5,
+                        help="render the cameras every N control steps of 20 ms (default 5: 10 Hz)")
+    parser.add_argument("--width", type=int, default=320, help="image width [px] (default 320, the demo robot's)")
+    parser.add_argument("--height", type=int, default=240, help="image height [px] (default 240)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Generate the dataset and print the expert's success rate per phase."""
+    args = parse_args(argv)
+    summary = generate_dataset(args.out, args.episodes, args.seed, args.image_every, args.width, args.height)
+    for phase, s in summary["success"].items():
+        print(f"expert {phase:11s} {s['successes']}/{s['episodes']} = {s['rate']:.0%} "
+              f"(95 % CI {s['ci95'][0]:.0%}-{s['ci95'][1]:.0%})")
+    print(f"{summary['seconds_per_episode']:.1f} s per episode; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

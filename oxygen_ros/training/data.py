@@ -1,0 +1,134 @@
+"""Training samples from the demo's HDF5 episodes, processed exactly as the node processes its inputs.
+
+A sample is one rendered image step ``s`` of an episode: the three cameras at ``s`` (resized with
+padding to the preset's ``image_size`` by the family's filter, :func:`oxygen_ros.models.processing.resize_with_pad`),
+the joint state ``qpos[s]`` (normalised and discretised into the prompt by the engine's own
+:class:`oxygen_ros.engine.model_io.ProcessorIO`), the action chunk ``action[s : s + H]`` (the last
+action repeated past the episode's end), the subtask label and the scene caption at ``s``.
+
+Normalisation statistics are computed from the data (:func:`compute_norm_stats`) in openpi's format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oxygen_ros.models.config import NormStats
+from oxygen_ros.models.processing import resize_with_pad
+from oxygen_ros.tools.demo_data import CAMERAS, read_episode
+
+# The demo robot's cameras → the model's camera slots (openpi's ALOHA image keys), as in tools/demo.py.
+CAMERA_SLOTS = dict(zip(CAMERAS, ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")))
+# Quantile ranges narrower than this are widened around their middle, so that a joint the expert
+# barely moves still normalises to finite values (check_norm_stats rejects q99 <= q01).
+MIN_RANGE = 1e-3
+
+
+@dataclasses.dataclass
+class DemoSamples:
+    """All samples of a set of episodes, in memory.
+
+    Attributes:
+        pixels: uint8 ``[N, C, S, S, 3]``, each camera resized with padding to ``S`` (the model's
+            ``image_size``); ``pixels / 255 · 2 − 1`` is exactly the processor's output for the
+            ``pil_bilinear`` filter.
+        state: float64 ``[N, 14]`` joint state (gym-aloha ``JOINTS`` order and units).
+        actions: float64 ``[N, H, 14]`` absolute position targets.
+        subtask: int64 ``[N]`` indices into :data:`SUBTASKS`; caption: ``[N]`` strings.
+        episode: int64 ``[N]`` index of each sample's episode (in ``files`` order).
+        files: the episode files read.
+        all_states, all_actions: float64 ``[M, 14]`` every step of every episode (for statistics).
+    """
+
+    pixels: np.ndarray
+    state: np.ndarray
+    actions: np.ndarray
+    subtask: np.ndarray
+    caption: list[str]
+    episode: np.ndarray
+    files: list[Path]
+    all_states: np.ndarray
+    all_actions: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+
+def episode_files(data_dir: str | Path) -> list[Path]:
+    """The ``episode_<i>.hdf5`` files of ``data_dir``, in index order.
+
+    Raises:
+        FileNotFoundError: no such directory or no episode in it.
+    """
+    directory = Path(data_dir)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no data directory {directory} (make demo-data writes one)")
+    files = sorted(directory.glob("episode_*.hdf5"), key=lambda p: int(p.stem.split("_")[1]))
+    if not files:
+        raise FileNotFoundError(f"no episode_*.hdf5 in {directory}")
+    return files
+
+
+def load_samples(files: list[Path], image_size: int, horizon: int, resize: str = "pil_bilinear",
+                 every: int = 1) -> DemoSamples:
+    """Read ``files`` into :class:`DemoSamples` (every ``every``-th rendered image step of each).
+
+    Args:
+        files: episode files (:func:`episode_files`).
+        image_size: the model's image side [px].
+        horizon: action chunk length H.
+        resize: the family's filter (``pil_bilinear`` for the openpi π0.5 defaults).
+        every: keep every this many image steps (1 = all).
+
+    Raises:
+        ValueError: an episode without the demo cameras or without images.
+    """
+    pixels, state, actions, subtask, caption, episode = [], [], [], [], [], []
+    all_states, all_actions = [], []
+    for index, path in enumerate(files):
+        ep = read_episode(path)
+        missing = [c for c in CAMERAS if c not in ep.images]
+        if missing or len(ep.image_steps) == 0:
+            raise ValueError(f"{path}: cameras {missing} missing or no image rendered")
+        all_states.append(ep.qpos.astype(np.float64))
+        all_actions.append(ep.action.astype(np.float64))
+        steps = ep.image_steps[::every]
+        chosen = np.arange(0, len(ep.image_steps), every)
+        resized = []
+        for camera in CAMERAS:
+            x = resize_with_pad(ep.images[camera][chosen], image_size, resize)    # [n, 3, S, S] in [-1, 1]
+            resized.append(((x + 1.0) / 2.0 * 255.0).round().clamp(0, 255).to(torch.uint8)
+                           .permute(0, 2, 3, 1).numpy())
+        pixels.append(np.stack(resized, axis=1))
+        last = len(ep.action) - 1
+        for s in steps:
+            idx = np.minimum(np.arange(s, s + horizon), last)
+            state.append(ep.qpos[s].astype(np.float64))
+            actions.append(ep.action[idx].astype(np.float64))
+            subtask.append(int(ep.subtask[s]))
+            caption.append(ep.caption[s])
+            episode.append(index)
+    return DemoSamples(pixels=np.concatenate(pixels), state=np.stack(state), actions=np.stack(actions),
+                       subtask=np.asarray(subtask, np.int64), caption=caption,
+                       episode=np.asarray(episode, np.int64), files=list(files),
+                       all_states=np.concatenate(all_states), all_actions=np.concatenate(all_actions))
+
+
+def _stats(x: np.ndarray) -> NormStats:
+    q01, q99 = np.quantile(x, 0.01, axis=0), np.quantile(x, 0.99, axis=0)
+    narrow = q99 - q01 < MIN_RANGE
+    middle = (q01 + q99) / 2.0
+    q01 = np.where(narrow, middle - MIN_RANGE / 2.0, q01)
+    q99 = np.where(narrow, middle + MIN_RANGE / 2.0, q99)
+    return NormStats(mean=x.mean(0), std=np.maximum(x.std(0), 1e-6), q01=q01, q99=q99)
+
+
+def compute_norm_stats(samples: DemoSamples) -> dict[str, NormStats]:
+    """openpi-style statistics (mean, std, 1 % and 99 % quantiles per dimension) of every recorded
+    joint state and action, ``{"state": ..., "actions": ...}``; quantile ranges narrower than
+    :data:`MIN_RANGE` are widened to it around their middle."""
+    return {"state": _stats(samples.all_states), "actions": _stats(samples.all_actions)}

@@ -1,0 +1,487 @@
+"""Train the project's π0.5 (:class:`oxygen_ros.models.vla.VLAModel`) end to end on the demo's episodes.
+
+π0.5's co-training recipe at demo scale, on one shared image encoding per sample:
+
+* **actions** — flow matching on the action chunk after the action prompt (the family's
+  ``"Task: {instruction}, State: {state};\\nAction: "``): with ``a`` the normalised chunk (zero-padded
+  to 32 dimensions), ``ε ~ N(0, I)`` and ``t = 0.001 + 0.999·Beta(1.5, 1)``, the expert sees
+  ``x_t = t·ε + (1 − t)·a`` and regresses the velocity ``u = ε − a`` (mean squared error over all 32
+  dimensions). This is the convention of the model's sampler (:meth:`VLAModel.denoise`: t = 1 is
+  noise, Euler steps with dt = −1/S integrate ``x ← x + dt·v``); the Beta(1.5, 1) time distribution is
+  openpi's (``pi0.py``, ``sample_beta``).
+* **subtask** — cross-entropy on the subtask's tokens and EOS after :data:`SUBTASK_PROMPT` (π0.5's
+  high-level inference: what the speech task decodes);
+* **caption** — cross-entropy on the scene caption's tokens and EOS after :data:`CAPTION_PROMPT` (what the
+  memory task decodes).
+
+Each sample contributes its action loss and one language loss (subtask or caption, drawn with equal
+probability). The prefix is one bidirectional block (images + prompt) and the target text tokens are
+causal blocks after it, exactly the masks the engine's prefill and decode steps use. Gradients reach
+every weight: the SigLIP tower, the projector, the VLM and its tied embedding, the action expert.
+
+Output (``--out``, default ``runs/train-demo``): ``checkpoint/`` in the openpi layout the loader reads
+(``model.safetensors``, ``oxygen_config.json``, ``assets/aloha_sim/norm_stats.json``, ``demo_policy.json``
+with the prompts and settings the node needs), ``loss_curve.png`` and ``train_log.json``.
+
+Command line: ``python -m oxygen_ros.training.train --data runs/demo-data`` (``--help``); ``make train-demo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from oxygen_ros.engine.model_io import ProcessorIO
+from oxygen_ros.models import RobotConfig, get_preset, load_model
+from oxygen_ros.models.reference import joint_forward
+from oxygen_ros.models.checkpoint import save_checkpoint
+from oxygen_ros.models.config import VLAConfig, save_norm_stats
+from oxygen_ros.models.conventions import Conventions, variant_defaults
+from oxygen_ros.models.gemma import AdaRMSNorm, RMSNorm
+from oxygen_ros.models.processing import Processor, pad_to
+from oxygen_ros.models.tokenizer import load_tokenizer
+from oxygen_ros.models.vla import VLAModel
+from oxygen_ros.tools.demo_data import INSTRUCTION, JOINTS, SUBTASKS
+from oxygen_ros.training.data import (CAMERA_SLOTS, DemoSamples, compute_norm_stats, episode_files,
+                                      load_samples)
+
+SUBTASK_PROMPT = "Task: {instruction}, State: {state};\nSubtask: "
+CAPTION_PROMPT = "Task: {instruction}, State: {state};\nScene: "
+# The action prompt with the latest subtask (π0.5's low-level inference on the high-level output), used
+# for a fraction --subtask-in-action-prompt of the action samples; {subtask} is filled in here.
+ACTION_SUBTASK_PROMPT = "Task: {instruction}, Subtask: {subtask}, State: {state};\nAction: "
+NORM_STATS_ASSET = "aloha_sim"
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Settings of one training run (the command line's options; see :func:`parse_args`)."""
+
+    data: Path
+    out: Path = Path("runs/train-demo")
+    preset: str = "pi05_demo"
+    steps: int = 1200
+    batch_size: int = 16
+    lr: float = 5e-4
+    warmup: int = 100
+    weight_decay: float = 1e-4
+    grad_clip: float = 1.0
+    text_weight: float = 1.0
+    subtask_in_action_prompt: float = 0.0
+    image_stride: int = 1
+    val_episodes: int = 2
+    eval_samples: int = 16
+    seed: int = 0
+    device: str = "cpu"
+    log_every: int = 10
+    progress: bool = True
+
+
+def init_training_weights(model: VLAModel, seed: int) -> VLAModel:
+    """Deterministic initialisation for training from scratch (same seed ⇒ same weights).
+
+    Matrices and the SigLIP patch / position embeddings ~ N(0, 0.02²); the token embedding ~ N(0, 1/W)
+    (it is scaled by √W on the way in and tied to the LM head, so both start at unit scale); biases 0;
+    SigLIP LayerNorms weight 1, bias 0; Gemma RMSNorm weights 0 (the norm multiplies by 1 + w); every
+    adaRMSNorm's Dense zero (π0.5: the expert starts as a plain, unmodulated Gemma; docs/models.md, "Gemma formulas").
+    """
+    gen = torch.Generator().manual_seed(seed)
+    zero_modules = {id(m.dense) for m in model.modules() if isinstance(m, AdaRMSNorm)}
+    rms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    layer_norms = {id(p): n for m in model.modules() if isinstance(m, torch.nn.LayerNorm)
+                   for n, p in m.named_parameters()}
+    zero_params = {id(p) for m in model.modules() if id(m) in zero_modules for p in m.parameters()}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if id(param) in zero_params or id(param) in rms:
+                param.zero_()
+            elif id(param) in layer_norms:
+                param.fill_(1.0 if layer_norms[id(param)] == "weight" else 0.0)
+            elif name == "token_embedding.weight":
+                param.copy_(torch.randn(param.shape, generator=gen) * model.config.vlm_width ** -0.5)
+            elif param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+            else:
+                param.zero_()
+    return model
+
+
+class Batches:
+    """Tokenised, normalised tensors of every sample, and seeded batches of them.
+
+    Prompts are built by the engine's own :class:`~oxygen_ros.engine.model_io.ProcessorIO` from the conventions the checkpoint
+    will be served with, so the tokens match the node's byte for byte.
+    """
+
+    def __init__(self, samples: DemoSamples, processor: Processor, seed: int, subtask_in_action_prompt: float):
+        self.samples = samples
+        self.processor = processor
+        mp = ProcessorIO(processor)
+        conv = processor.conventions
+        rng = np.random.default_rng(seed)
+        tokenizer = processor.tokenizer
+        eos = tokenizer.eos_id
+        n = len(samples)
+        action_template = conv.action_prompt.template
+        self.action_ids = []
+        for i in range(n):
+            template = action_template
+            if rng.random() < subtask_in_action_prompt:
+                template = ACTION_SUBTASK_PROMPT.replace("{subtask}", SUBTASKS[samples.subtask[i]])
+            self.action_ids.append(mp.prompt_ids(template, INSTRUCTION, samples.state[i]))
+        self.subtask_prompt = [mp.prompt_ids(SUBTASK_PROMPT, INSTRUCTION, s) for s in samples.state]
+        self.caption_prompt = [mp.prompt_ids(CAPTION_PROMPT, INSTRUCTION, s) for s in samples.state]
+        self.subtask_target = [tokenizer.encode(SUBTASKS[k]) + [eos] for k in samples.subtask]
+        self.caption_target = [tokenizer.encode(c) + [eos] for c in samples.caption]
+        # the longest label in tokens, EOS included: enough decode steps for any label of this data
+        self.max_target = max(len(t) for t in self.subtask_target + self.caption_target)
+        dim = processor.config.action_dim
+        normed = conv.action_norm.normalize(samples.actions, processor.norm_stats["actions"])
+        self.actions = torch.as_tensor(pad_to(normed, dim), dtype=torch.float32)     # [N, H, 32]
+        self._rng = np.random.default_rng(seed + 1)
+        self._order: list[int] = []
+
+    def indices(self, batch_size: int, pool: np.ndarray) -> np.ndarray:
+        """The next ``batch_size`` sample indices of ``pool`` (reshuffled each pass, seeded)."""
+        out = []
+        while len(out) < batch_size:
+            if not self._order:
+                self._order = list(self._rng.permutation(pool))
+            out.append(self._order.pop())
+        return np.asarray(out)
+
+    def pixels(self, idx: np.ndarray, device) -> torch.Tensor:
+        """float ``[B·C, 3, S, S]`` in [-1, 1] (cameras in :data:`CAMERA_SLOTS` order per sample)."""
+        x = torch.from_numpy(self.samples.pixels[idx]).to(device)        # [B, C, S, S, 3] uint8
+        b, c, s = x.shape[:3]
+        return (x.float() / 255.0 * 2.0 - 1.0).permute(0, 1, 4, 2, 3).reshape(b * c, 3, s, s)
+
+    def language(self, idx: np.ndarray, rng: np.random.Generator) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+        """Per sample: the prompt, the target tokens and whether it is the subtask (else the caption)."""
+        prompts, targets, is_subtask = [], [], []
+        for i in idx:
+            sub = bool(rng.random() < 0.5)
+            prompts.append(self.subtask_prompt[i] if sub else self.caption_prompt[i])
+            targets.append(self.subtask_target[i] if sub else self.caption_target[i])
+            is_subtask.append(sub)
+        return prompts, targets, is_subtask
+
+
+def _prefix(model: VLAModel, image_tokens: torch.Tensor, prompts: list[list[int]],
+            targets: list[list[int]] | None = None):
+    """Prefix embeddings ``[B, Ci + L, W]``, valid mask, block starts and the prompt lengths.
+
+    Row b is ``[image tokens, prompt_b, target_b, padding]``; images and prompt form one bidirectional
+    block, each target token starts its own (causal) block; padding is invalid.
+    """
+    b, ci, w = image_tokens.shape
+    targets = targets or [[] for _ in prompts]
+    length = max(len(p) + len(t) for p, t in zip(prompts, targets))
+    ids = torch.zeros(b, length, dtype=torch.long)
+    valid = torch.zeros(b, length, dtype=torch.bool)
+    starts = torch.zeros(b, length, dtype=torch.bool)
+    for r, (p, t) in enumerate(zip(prompts, targets)):
+        ids[r, :len(p) + len(t)] = torch.tensor(p + t)
+        valid[r, :len(p) + len(t)] = True
+        starts[r, len(p):len(p) + len(t)] = True
+    device = image_tokens.device
+    text = model.token_embedding(ids.to(device)) * math.sqrt(model.config.vlm_width)
+    prefix = torch.cat((image_tokens, text.to(image_tokens.dtype)), dim=1)
+    ones = torch.ones(b, ci, dtype=torch.bool)
+    return (prefix, torch.cat((ones, valid), 1).to(device), torch.cat((torch.zeros_like(ones), starts), 1).to(device),
+            [len(p) for p in prompts])
+
+
+def _per_sample_conditioning(model: VLAModel, times: torch.Tensor) -> dict:
+    """The model's time conditioning for one time per row (``times [B]``), shaped so that
+    ``joint_forward(..., step=0)`` modulates row b with its own time."""
+    cond = model._time_conditioning(times)
+    return {"layers": [(a[None, :, None, :], b[None, :, None, :]) for a, b in cond["layers"]],
+            "final": cond["final"][None, :, None, :]}
+
+
+def flow_matching_loss(model: VLAModel, image_tokens: torch.Tensor, prompts: list[list[int]],
+                       actions: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """π0.5's flow-matching loss (module docstring) of normalised chunks ``actions [B, H, 32]``."""
+    b, horizon, dim = actions.shape
+    device = image_tokens.device
+    noise = torch.randn(actions.shape, generator=generator).to(device)
+    # Beta(1.5, 1) from the seeded generator by its inverse CDF: F(x) = x^1.5, so x = u^(1/1.5).
+    times = (torch.rand(b, generator=generator) ** (1.0 / 1.5)).to(device) * 0.999 + 0.001
+    x_t = times[:, None, None] * noise + (1.0 - times[:, None, None]) * actions
+    target = noise - actions
+    prefix, valid, starts, _ = _prefix(model, image_tokens, prompts)
+    suffix = model.action_in_proj(x_t.to(model.dtype))
+    suffix_start = torch.zeros(1, horizon, dtype=torch.bool, device=device)
+    suffix_start[0, 0] = True
+    _, out = joint_forward(model, prefix, valid, starts, suffix, suffix_start,
+                                  _per_sample_conditioning(model, times), 0)
+    velocity = model.action_out_proj(out).float()
+    return F.mse_loss(velocity, target)
+
+
+def text_loss(model: VLAModel, image_tokens: torch.Tensor, prompts: list[list[int]],
+              targets: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of the target tokens (teacher forcing) after their prompts; returns the mean loss
+    and the per-token correctness (bool ``[tokens]``) of the argmax."""
+    prefix, valid, starts, prompt_lens = _prefix(model, image_tokens, prompts, targets)
+    hidden, _ = joint_forward(model, prefix, valid, starts, None, None)
+    ci = image_tokens.shape[1]
+    rows, positions, labels = [], [], []
+    for r, (p, t) in enumerate(zip(prompt_lens, targets)):
+        for k, token in enumerate(t):
+            rows.append(r)
+            positions.append(ci + p + k - 1)      # the token before target k predicts it
+            labels.append(token)
+    device = image_tokens.device
+    logits = model._lm_logits(hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)])
+    labels_t = torch.tensor(labels, device=device)
+    return F.cross_entropy(logits, labels_t), logits.argmax(-1) == labels_t
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    """Linear warm-up for ``warmup`` steps, then cosine decay to 10 % of ``lr`` at ``steps``."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def build_processor(config: VLAConfig, norm_stats) -> Processor:
+    """The processor the node will build for this checkpoint: the π0.5 defaults (openpi's base
+    conventions: quantile normalisation, state in the prompt, PIL bilinear resize) with the preset's
+    horizon and prompt budget, the demo robot's 14 joints and three cameras."""
+    robot = RobotConfig("aloha_sim", state_dim=len(JOINTS), action_dim=len(JOINTS),
+                        camera_slots=tuple(CAMERA_SLOTS.values()))
+    conventions = variant_defaults(config.variant, config.action_horizon, config.max_token_len)
+    return Processor(config, robot, load_tokenizer(config), norm_stats, conventions)
+
+
+def greedy_text(model: VLAModel, image_tokens: torch.Tensor, prompt: list[int], eos: int, max_tokens: int
+                ) -> list[int]:
+    """Greedy decoding of one sample through the model's cache-free reference path (inference)."""
+    with torch.inference_mode():
+        embeds = torch.cat((image_tokens[None], model.embed_tokens(torch.tensor([prompt])).to(image_tokens.dtype)), 1)
+        mask = torch.ones(embeds.shape[:2], dtype=torch.bool)
+        out = model.reference_generate(embeds, mask, max_tokens)[0].tolist()
+    return out[:out.index(eos)] if eos in out else out
+
+
+def evaluate(model: VLAModel, batches: Batches, idx: np.ndarray, seed: int) -> dict:
+    """On samples ``idx`` through the model's inference paths (:meth:`VLAModel.encode_images`,
+    :meth:`VLAModel.reference_actions`, :meth:`VLAModel.reference_generate`): the action chunk's mean
+    squared error in normalised units (10 Euler steps from seeded noise), and the exact-match accuracy
+    of the greedily decoded subtask and caption."""
+    model.eval()
+    tok = batches.processor.tokenizer
+    gen = torch.Generator().manual_seed(seed)
+    mse, sub_ok, cap_ok = [], 0, 0
+    with torch.inference_mode():
+        for i in idx:
+            pixels = batches.pixels(np.array([i]), model.device)
+            tokens = model.encode_images(pixels).reshape(1, -1, model.config.vlm_width)
+            ids = torch.tensor([batches.action_ids[i]])
+            embeds = torch.cat((tokens, model.embed_tokens(ids).to(tokens.dtype)), 1)
+            noise = torch.randn((1, model.config.action_horizon, model.config.action_dim), generator=gen)
+            pred = model.reference_actions(embeds, torch.ones(embeds.shape[:2], dtype=torch.bool), noise)
+            mse.append(float(((pred[0].cpu() - batches.actions[i]) ** 2)[:, :len(JOINTS)].mean()))
+            sub = tok.decode(greedy_text(model, tokens[0], batches.subtask_prompt[i], tok.eos_id, batches.max_target))
+            cap = tok.decode(greedy_text(model, tokens[0], batches.caption_prompt[i], tok.eos_id, batches.max_target))
+            sub_ok += sub.strip() == SUBTASKS[batches.samples.subtask[i]]
+            cap_ok += cap.strip() == batches.samples.caption[i]
+    model.train()
+    n = max(1, len(idx))
+    return {"samples": int(len(idx)), "action_mse": float(np.mean(mse)) if mse else None,
+            "subtask_accuracy": sub_ok / n, "caption_accuracy": cap_ok / n}
+
+
+def plot_losses(history: list[dict], path: Path) -> None:
+    """The loss curves (total, flow matching, text) against the step, as a PNG (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for key, label in (("loss", "total"), ("flow", "flow matching (MSE)"), ("text", "text (cross-entropy)")):
+        ax.plot(steps, [h[key] for h in history], label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean over the logging window)")
+    ax.set_title("π0.5 demo policy: training loss")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_checkpoint(model: VLAModel, processor: Processor, out: Path, extra: dict) -> Path:
+    """The checkpoint directory the loader reads: openpi layout ``model.safetensors`` +
+    ``oxygen_config.json`` (:func:`save_checkpoint`), ``assets/aloha_sim/norm_stats.json`` (openpi's
+    format, found by :func:`oxygen_ros.models.conventions.find_norm_stats`) and ``demo_policy.json``
+    (preset, conventions, camera slots, prompts for the node's speech and memory tasks, training facts)."""
+    directory = out / "checkpoint"
+    save_checkpoint(model, directory, layout="openpi")
+    asset = directory / "assets" / NORM_STATS_ASSET
+    asset.mkdir(parents=True, exist_ok=True)
+    save_norm_stats(processor.norm_stats, asset / "norm_stats.json")
+    conv: Conventions = processor.conventions
+    policy = {
+        "preset": model.config.name,
+        "conventions": f"{conv.name} defaults (preset horizon {conv.action_horizon}, prompt budget "
+                       f"{conv.max_token_len}; leave the node's 'conventions' parameter empty)",
+        "tokenizer": f"{model.config.tokenizer} (built from the preset's vocab_size {model.config.vocab_size}; "
+                     "oxygen_ros/models/tokenizer.py)",
+        "joint_names": list(JOINTS), "action_dt_s": 0.02,
+        "cameras": {camera: slot for camera, slot in CAMERA_SLOTS.items()},
+        "instruction": INSTRUCTION,
+        "action_prompt": conv.action_prompt.template,
+        "speech_prompt": SUBTASK_PROMPT, "memory_prompt": CAPTION_PROMPT,
+        "action_subtask_prompt": ACTION_SUBTASK_PROMPT,
+        "subtasks": list(SUBTASKS), **extra}
+    (directory / "demo_policy.json").write_text(json.dumps(policy, indent=2))
+    return directory
+
+
+def train(config: TrainConfig) -> dict:
+    """Run one training (see the module docstring); returns the summary written to ``train_log.json``.
+
+    Raises:
+        FileNotFoundError: no episodes in ``config.data``.
+        ValueError: bad settings (e.g. fewer episodes than ``val_episodes`` + 1).
+    """
+    from tqdm import tqdm
+
+    torch.manual_seed(config.seed)
+    files = episode_files(config.data)
+    if config.val_episodes < 0 or len(files) <= config.val_episodes:
+        raise ValueError(f"{len(files)} episodes cannot hold {config.val_episodes} validation episodes and training")
+    model_config = get_preset(config.preset)
+    samples = load_samples(files, model_config.image_size, model_config.action_horizon, every=config.image_stride)
+    stats = compute_norm_stats(samples)
+    processor = build_processor(model_config, stats)
+    batches = Batches(samples, processor, config.seed, config.subtask_in_action_prompt)
+    val_files = set(range(len(files) - config.val_episodes, len(files)))
+    is_val = np.isin(samples.episode, list(val_files))
+    train_pool, val_pool = np.flatnonzero(~is_val), np.flatnonzero(is_val)
+
+    model = load_model(model_config, None, dtype="float32", device=config.device, seed=config.seed)
+    init_training_weights(model, config.seed)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(config.seed + 2)
+    lang_rng = np.random.default_rng(config.seed + 3)
+    history, window = [], []
+    config.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    bar = tqdm(range(config.steps), desc="training", unit="step", disable=not config.progress)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, config)
+        idx = batches.indices(config.batch_size, train_pool)
+        image_tokens = model._encode(batches.pixels(idx, model.device)).reshape(len(idx), -1, model_config.vlm_width)
+        flow = flow_matching_loss(model, image_tokens, [batches.action_ids[i] for i in idx],
+                                  batches.actions[idx].to(model.device), gen)
+        prompts, targets, _ = batches.language(idx, lang_rng)
+        text, correct = text_loss(model, image_tokens, prompts, targets)
+        loss = flow + config.text_weight * text
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"step {step}: loss is {float(loss)} (flow {float(flow)}, text {float(text)})")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        window.append((loss.item(), flow.item(), text.item(), correct.float().mean().item()))
+        if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
+            mean = np.mean(window, axis=0)
+            history.append({"step": step + 1, "loss": mean[0], "flow": mean[1], "text": mean[2],
+                            "token_accuracy": mean[3], "lr": learning_rate(step, config),
+                            "seconds": round(time.perf_counter() - start, 2)})
+            bar.set_postfix(loss=f"{mean[0]:.4f}", flow=f"{mean[1]:.4f}", text=f"{mean[2]:.3f}")
+            window = []
+    seconds = time.perf_counter() - start
+    model.eval()
+    evaluation = {}
+    if config.eval_samples > 0:
+        eval_rng = np.random.default_rng(config.seed + 4)
+        for name, pool in (("train", train_pool), ("validation", val_pool)):
+            if len(pool):
+                chosen = eval_rng.choice(pool, size=min(config.eval_samples, len(pool)), replace=False)
+                evaluation[name] = evaluate(model, batches, np.sort(chosen), config.seed)
+    summary = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(config).items()},
+        "episodes": len(files), "train_samples": int(len(train_pool)), "validation_samples": int(len(val_pool)),
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "seconds": round(seconds, 1), "seconds_per_step": round(seconds / max(1, config.steps), 4),
+        "final": history[-1] if history else None, "evaluation": evaluation, "history": history}
+    directory = write_checkpoint(model, processor, config.out, {
+        "training": {k: summary[k] for k in ("episodes", "train_samples", "parameters", "seconds",
+                                             "seconds_per_step", "final", "evaluation")}})
+    summary["checkpoint"] = str(directory)
+    if history:
+        plot_losses(history, config.out / "loss_curve.png")
+    (config.out / "train_log.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    parser = argparse.ArgumentParser(prog="python -m oxygen_ros.training.train", description=__doc__.split("\n")[0])
+    d = TrainConfig(data=Path("runs/demo-data"))
+    parser.add_argument("--data", type=Path, default=d.data, help="episode directory (default runs/demo-data)")
+    parser.add_argument("--out", type=Path, default=d.out, help="output directory (default runs/train-demo)")
+    parser.add_argument("--preset", default=d.preset, help="model preset (default pi05_demo)")
+    parser.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size, help=f"samples per step (default {d.batch_size})")
+    parser.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    parser.add_argument("--warmup", type=int, default=d.warmup, help=f"warm-up steps (default {d.warmup})")
+    parser.add_argument("--text-weight", type=float, default=d.text_weight,
+                        help="weight of the cross-entropy against the flow-matching loss (default 1)")
+    parser.add_argument("--subtask-in-action-prompt", type=float, default=d.subtask_in_action_prompt,
+                        help="fraction of action samples whose prompt carries the subtask (default 0)")
+    parser.add_argument("--image-stride", type=int, default=d.image_stride,
+                        help="use every N-th rendered image step (default 1: all)")
+    parser.add_argument("--val-episodes", type=int, default=d.val_episodes,
+                        help="last N episodes held out for evaluation (default 2)")
+    parser.add_argument("--eval-samples", type=int, default=d.eval_samples,
+                        help="samples evaluated after training per split (default 16; 0: none)")
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed (default 0)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--log-every", type=int, default=d.log_every, help="steps per logged loss (default 10)")
+    args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return TrainConfig(data=args.data, out=args.out, preset=args.preset, steps=args.steps,
+                       batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, text_weight=args.text_weight,
+                       subtask_in_action_prompt=args.subtask_in_action_prompt, image_stride=args.image_stride,
+                       val_episodes=args.val_episodes, eval_samples=args.eval_samples, seed=args.seed,
+                       device=device, log_every=args.log_every)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train and print where the checkpoint went, the final losses and the evaluation."""
+    config = parse_args(argv)
+    summary = train(config)
+    final = summary["final"] or {}
+    print(f"{summary['seconds']:.0f} s ({summary['seconds_per_step']:.3f} s/step); final loss "
+          f"{final.get('loss', float('nan')):.4f} (flow {final.get('flow', float('nan')):.4f}, "
+          f"text {final.get('text', float('nan')):.4f})")
+    for split, result in summary["evaluation"].items():
+        print(f"{split}: {result}")
+    print(f"checkpoint {summary['checkpoint']}; loss curve {config.out / 'loss_curve.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

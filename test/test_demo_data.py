@@ -1,0 +1,137 @@
+"""The scripted demonstrations (oxygen_ros/tools/demo_data.py): the expert does the task in the demo
+robot's joint-space scene, the episode is labelled and deterministic, and the HDF5 files hold it."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+# AlohaScene comes from the demo's simulated robot, whose module imports rclpy and the messages.
+pytestmark = [pytest.mark.ros, pytest.mark.slow]
+
+SEED = 7
+IMAGE_EVERY = 106     # 5 images per camera over the 530 steps: cheap to render, still images at 0, 106, ...
+
+
+@pytest.fixture(scope="module")
+def episode():
+    pytest.importorskip("gym_aloha")
+    from oxygen_ros.tools.demo_data import generate_episode
+
+    return generate_episode(SEED, image_every=IMAGE_EVERY)
+
+
+def test_expert_transfers_the_cube_in_the_joint_space_scene(episode):
+    from oxygen_ros.tools.demo_data import PHASES
+
+    outcome = dict(zip(PHASES, episode.outcome.tolist()))
+    assert outcome == {"reached": True, "grasped": True, "lifted": True, "transferred": True}
+    assert episode.expert_phases.all()            # the mocap run did the task too
+    # The phases happen in the task's order: the first step of each comes after the previous one's.
+    first = [int(np.argmax(episode.phases[:, k])) for k in range(4)]
+    assert first == sorted(first) and first[0] > 0
+    # At the end the cube is held by the left gripper only, off the table (the last caption says so).
+    assert episode.caption[-1] == "the left gripper holds the cube in the air"
+    assert episode.phases[-1, 3]
+
+
+def test_labels_follow_the_script_and_the_scene(episode):
+    from oxygen_ros.tools.demo_data import SUBTASKS
+
+    steps = len(episode.action)
+    assert episode.qpos.shape == episode.qvel.shape == episode.action.shape == (steps, 14)
+    assert np.isfinite(episode.qpos).all() and np.isfinite(episode.action).all()
+    # Every subtask occurs, in the script's order, as one contiguous segment each.
+    changes = [int(episode.subtask[0])] + [int(s) for a, s in zip(episode.subtask, episode.subtask[1:]) if s != a]
+    assert changes == list(range(len(SUBTASKS)))
+    # The captions describe the scene as it evolves: on the table, in the right gripper, then the left.
+    order = []
+    for caption in episode.caption:
+        if not order or order[-1] != caption:
+            order.append(caption)
+    assert order[0].startswith("the cube is on the ") and order[0].endswith(" of the table")
+    assert "the right gripper holds the cube in the air" in order
+    right = order.index("the right gripper holds the cube in the air")
+    left = order.index("the left gripper holds the cube in the air")
+    assert right < left
+    # The gripper actions open (1) and close (0) as scripted: the right closes before the left does.
+    right_closed = int(np.argmax(episode.action[:, 13] < 0.5))
+    left_closed = int(np.argmax(episode.action[:, 6] < 0.5))
+    assert 0 < right_closed < left_closed
+    # Images: the three cameras at the demo robot's resolution, at the rendered steps, not blank.
+    assert episode.image_steps.tolist() == list(range(0, steps, IMAGE_EVERY))
+    for camera, frames in episode.images.items():
+        assert frames.shape == (len(episode.image_steps), 240, 320, 3) and frames.dtype == np.uint8
+        assert frames.std() > 5.0, camera
+
+
+def test_dataset_is_deterministic_and_round_trips_through_hdf5(episode, tmp_path):
+    h5py = pytest.importorskip("h5py")
+    from oxygen_ros.tools.demo_data import CAMERAS, SUBTASKS, generate_dataset, read_episode
+
+    summary = generate_dataset(tmp_path, episodes=1, seed=SEED, image_every=IMAGE_EVERY, progress=False)
+    again = read_episode(tmp_path / "episode_0.hdf5")
+    # Same seed, same arrays: the file written by a second, independent generation equals the fixture.
+    for name in ("qpos", "qvel", "action", "subtask", "phases", "image_steps", "cube_start"):
+        np.testing.assert_array_equal(getattr(again, name), getattr(episode, name), err_msg=name)
+    assert again.caption == episode.caption
+    for camera in CAMERAS:
+        np.testing.assert_array_equal(again.images[camera], episode.images[camera], err_msg=camera)
+    # The ALOHA/ACT layout, readable without this project's code.
+    with h5py.File(tmp_path / "episode_0.hdf5", "r") as f:
+        assert f["observations/qpos"].shape == f["action"].shape == (len(episode.action), 14)
+        assert f["observations/images/top"].shape == (len(episode.image_steps), 240, 320, 3)
+        assert f["subtask"][0].decode() == SUBTASKS[0]
+        assert bool(f.attrs["sim"]) and list(f.attrs["outcome"]) == [True] * 4
+    written = json.loads((tmp_path / "dataset.json").read_text())
+    assert written == json.loads(json.dumps(summary))
+    assert written["success"]["transferred"] == {"successes": 1, "episodes": 1, "rate": 1.0,
+                                                 "ci95": written["success"]["transferred"]["ci95"]}
+    low, high = written["success"]["transferred"]["ci95"]
+    assert 0.0 < low < 1.0 and high == 1.0
+
+
+def test_bad_settings_raise():
+    pytest.importorskip("gym_aloha")
+    from oxygen_ros.tools.demo_data import generate_dataset, generate_episode
+
+    with pytest.raises(ValueError, match="image_every"):
+        generate_episode(0, image_every=0)
+    with pytest.raises(ValueError, match="unknown cameras"):
+        generate_episode(0, cameras=("front",))
+    with pytest.raises(ValueError, match="episodes"):
+        generate_dataset("/nonexistent/never-written", episodes=0)
+
+
+def test_phase_flags_and_captions_from_scene_facts():
+    pytest.importorskip("gym_aloha")
+    from oxygen_ros.tools.demo_data import SceneState, phase_flags, scene_caption, wilson_interval
+
+    rest = 0.02
+
+    def state(right=0, left=0, table=True, z=rest, x=0.1, distance=0.2):
+        return SceneState(cube=np.array([x, 0.5, z]), right_fingers=right, left_fingers=left, on_table=table,
+                          right_distance=distance)
+
+    assert phase_flags(state(), rest).tolist() == [False] * 4
+    assert phase_flags(state(distance=0.01), rest).tolist() == [True, False, False, False]
+    assert phase_flags(state(right=2, distance=0.01), rest).tolist() == [True, True, False, False]
+    # Held but only just off the table is not yet "lifted".
+    assert phase_flags(state(right=2, table=False, z=rest + 0.01), rest).tolist() == [False, True, False, False]
+    assert phase_flags(state(right=2, table=False, z=0.2), rest).tolist() == [False, True, True, False]
+    # Transferred only once the right gripper has let go.
+    assert not phase_flags(state(right=1, left=2, table=False, z=0.2), rest)[3]
+    assert phase_flags(state(left=2, table=False, z=0.2), rest)[3]
+    assert scene_caption(state(x=0.1)) == "the cube is on the right of the table"
+    assert scene_caption(state(x=0.0)) == "the cube is on the middle of the table"
+    assert scene_caption(state(x=-0.1)) == "the cube is on the left of the table"
+    assert scene_caption(state(right=2, table=False)) == "the right gripper holds the cube in the air"
+    assert scene_caption(state(right=2, left=2, table=False)) == "both grippers hold the cube"
+    assert scene_caption(state(left=2, table=False)) == "the left gripper holds the cube in the air"
+    assert scene_caption(state(right=1, table=False)) == "the cube is in the air"
+    # Wilson interval: symmetric around 1/2, inside [0, 1], narrowing with more trials.
+    low, high = wilson_interval(10, 20)
+    assert low == pytest.approx(1 - high) and 0.29 < low < 0.3
+    assert wilson_interval(100, 200)[1] - wilson_interval(100, 200)[0] < high - low
+    assert wilson_interval(0, 0) == (0.0, 1.0)

@@ -1,0 +1,140 @@
+"""The demo policy's trainer (oxygen_ros/training): a few steps on a tiny generated dataset, the overfit
+check on a fixed batch, determinism, and a checkpoint that the project's loader and engine serve."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+# The dataset comes from the demo robot's scene (oxygen_ros.tools.sim_robot imports rclpy and the messages).
+pytestmark = [pytest.mark.ros, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    pytest.importorskip("gym_aloha")
+    pytest.importorskip("h5py")
+    from oxygen_ros.tools.demo_data import generate_dataset
+
+    directory = tmp_path_factory.mktemp("demo-data")
+    # Two episodes with 5 rendered steps per camera each (every 106th of 530): 5 samples per episode.
+    generate_dataset(directory, episodes=2, seed=11, image_every=106, progress=False)
+    return directory
+
+
+def _config(dataset, out, **overrides):
+    from oxygen_ros.training.train import TrainConfig
+
+    settings = dict(data=dataset, out=out, steps=2, batch_size=3, warmup=2, val_episodes=1, eval_samples=1,
+                    log_every=1, progress=False, seed=3)
+    settings.update(overrides)
+    return TrainConfig(**settings)
+
+
+def test_loss_decreases_on_a_fixed_batch(dataset):
+    from oxygen_ros.models import get_preset, load_model
+    from oxygen_ros.training.data import compute_norm_stats, episode_files, load_samples
+    from oxygen_ros.training.train import (Batches, build_processor, flow_matching_loss, init_training_weights,
+                                           text_loss)
+
+    # The demo preset with 56 px cameras (16 tokens each): the same losses at a quarter of the tokens.
+    config = get_preset("pi05_demo", image_size=56)
+    samples = load_samples(episode_files(dataset), config.image_size, config.action_horizon)
+    batches = Batches(samples, build_processor(config, compute_norm_stats(samples)), 0, 0.0)
+    model = init_training_weights(load_model(config, None, dtype="float32"), 0).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    idx = np.array([0, 2, 6, 8])              # fixed batch: both episodes, several subtasks
+    prompts, targets, _ = batches.language(idx, np.random.default_rng(0))
+    flows, texts = [], []
+    for _ in range(10):
+        image_tokens = model._encode(batches.pixels(idx, "cpu")).reshape(len(idx), -1, config.vlm_width)
+        # The same noise and times every step: one fixed objective to descend.
+        flow = flow_matching_loss(model, image_tokens, [batches.action_ids[i] for i in idx], batches.actions[idx],
+                                  torch.Generator().manual_seed(0))
+        text, _ = text_loss(model, image_tokens, prompts, targets)
+        assert torch.isfinite(flow) and torch.isfinite(text)
+        optimizer.zero_grad()
+        (flow + text).backward()
+        optimizer.step()
+        flows.append(flow.item())
+        texts.append(text.item())
+    assert flows[-1] < 0.9 * flows[0], flows
+    assert texts[-1] < 0.5 * texts[0], texts
+
+
+def test_trainer_writes_a_checkpoint_the_loader_and_engine_serve(dataset, tmp_path):
+    from oxygen_ros.engine import Engine, EngineConfig, Observation
+    from oxygen_ros.engine.model_io import ProcessorIO
+    from oxygen_ros.models import get_preset, load_model
+    from oxygen_ros.models.checkpoint import read_state_dict
+    from oxygen_ros.models.conventions import find_norm_stats, resolve_conventions
+    from oxygen_ros.models.processing import Processor
+    from oxygen_ros.models.tokenizer import load_tokenizer
+    from oxygen_ros.models import RobotConfig
+    from oxygen_ros.tools.demo_data import INSTRUCTION, JOINTS, read_episode
+    from oxygen_ros.training.data import CAMERA_SLOTS, compute_norm_stats, episode_files, load_samples
+    from oxygen_ros.training.train import train
+
+    summary = train(_config(dataset, tmp_path / "a"))
+    history = summary["history"]
+    assert [h["step"] for h in history] == [1, 2]
+    assert all(np.isfinite([h["loss"], h["flow"], h["text"]]).all() for h in history)
+    assert summary["train_samples"] == 5 and summary["validation_samples"] == 5
+    assert set(summary["evaluation"]) == {"train", "validation"}
+    assert (tmp_path / "a" / "loss_curve.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "a" / "train_log.json").read_text())["history"] == json.loads(json.dumps(history))
+
+    # Same seed, same run: identical losses and weights.
+    again = train(_config(dataset, tmp_path / "b", eval_samples=0))
+    assert again["history"][-1]["loss"] == history[-1]["loss"]
+    first, second = read_state_dict(tmp_path / "a" / "checkpoint"), read_state_dict(tmp_path / "b" / "checkpoint")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+    # The node's loading path: the preset's conventions (none named), the statistics the checkpoint carries.
+    checkpoint = tmp_path / "a" / "checkpoint"
+    policy = json.loads((checkpoint / "demo_policy.json").read_text())
+    assert policy["preset"] == "pi05_demo" and policy["joint_names"] == list(JOINTS)
+    config = get_preset(policy["preset"])
+    saved_config = json.loads((checkpoint / "oxygen_config.json").read_text())
+    assert saved_config == {k: getattr(config, k) for k in config.__dataclass_fields__}
+    conventions = resolve_conventions(config.variant, config.action_horizon, config.max_token_len, str(checkpoint), None)
+    assert conventions.action_prompt.template == policy["action_prompt"]
+    assert conventions.action_horizon == 50 and conventions.norm_mode == "quantile" and conventions.adaptation is None
+    stats, where = find_norm_stats(checkpoint, conventions)
+    assert where.endswith("assets/aloha_sim/norm_stats.json")
+    expected = compute_norm_stats(load_samples(episode_files(dataset), config.image_size, config.action_horizon))
+    for key in ("state", "actions"):
+        np.testing.assert_allclose(stats[key].q01, expected[key].q01)
+        np.testing.assert_allclose(stats[key].q99, expected[key].q99)
+    robot = RobotConfig("aloha_sim", 14, 14, tuple(CAMERA_SLOTS.values()))
+    processor = Processor(config, robot, load_tokenizer(config), stats, conventions)
+    model = load_model(config, checkpoint, dtype="float32")
+    engine = Engine(model, ProcessorIO(processor), EngineConfig.from_dict({
+        "mode": "unified", "camera_slots": list(CAMERA_SLOTS.values()), "kv_budget_bytes": 8 * 2**20,
+        "block_size": 16, "scheduling": "fixed_k", "decode_steps_per_cycle": 4,
+        "action": {"prompt_template": policy["action_prompt"], "control_period_s": 10.0},
+        "language_tasks": [
+            {"name": "speech", "prompt_template": policy["speech_prompt"], "trigger": {"every_n_frames": 1},
+             "max_new_tokens": 4},
+            {"name": "memory", "kind": "memory", "prompt_template": policy["memory_prompt"],
+             "trigger": {"every_n_frames": 1}, "max_new_tokens": 4}]}))
+    try:
+        ep = read_episode(episode_files(dataset)[0])
+        obs = Observation({slot: ep.images[camera][2] for camera, slot in CAMERA_SLOTS.items()}, INSTRUCTION,
+                          ep.qpos[ep.image_steps[2]], stamp=1.0, seq=1)
+        result = engine.run_cycle(obs)
+        chunk = result.action.actions
+        assert chunk.shape == (50, 14) and np.isfinite(chunk).all()
+    finally:
+        engine.close()
+
+
+def test_bad_training_settings_raise(dataset, tmp_path):
+    from oxygen_ros.training.train import train
+
+    with pytest.raises(FileNotFoundError, match="no data directory"):
+        train(_config(tmp_path / "missing", tmp_path / "out"))
+    with pytest.raises(ValueError, match="validation episodes"):
+        train(_config(dataset, tmp_path / "out", val_episodes=2))
