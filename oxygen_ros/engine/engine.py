@@ -5,7 +5,7 @@ A cycle (:meth:`Engine.run_cycle`), after OxyGen (arXiv 2603.14371) with a deadl
 1. observe: cross-thread cancellations apply (``inbox.py``), triggers fire (``triggers.py``), a new
    instruction cancels the requests of tasks with ``cancel_on_new_instruction`` (here only);
 2. act: one vision call for the cameras, the action prefix prefilled or found in the cycle's prefix
-   tree (``prefix_cache.py``), denoising; the :class:`ActionChunk` is handed out at once;
+   tree (``prefix_cache.py``), denoising (``action.py``); the :class:`ActionChunk` is handed out at once;
 3. admit: the scheduler admits waiting language requests (``scheduler.py``: page reservation,
    priority, preemption); their prefixes are prefilled in one batched call per tree level;
 4. decode within the budget: batched decode steps of every running request of every frame, as the
@@ -20,8 +20,7 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-import torch
-
+from oxygen_ros.engine.action import ActionWork
 from oxygen_ros.engine.block_pool import BlockPool
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.inbox import Inbox, Submission
@@ -53,8 +52,7 @@ class Engine:
 
     def __init__(self, model: RunnerModel, processor: ModelIO, config: EngineConfig):
         self.config = config
-        cfg = self._model_cfg = model.config
-        self._io = processor
+        cfg = model.config
         self._pool = BlockPool(cfg.vlm_num_layers, cfg.num_kv_heads, cfg.head_dim,
                                config.block_size, config.kv_budget_bytes, dtype=model.dtype,
                                device=model.device)
@@ -79,6 +77,8 @@ class Engine:
                                   self._outputs, self._inbox.apply)
         self._mode = self._work.mode = mode_policy(config, self._planner)
         self._triggers = Triggers(config.language_tasks)
+        self._action = ActionWork(config.action, self._planner, self._runner, processor,
+                                  cfg.action_horizon, cfg.action_dim)
 
     @property
     def pool(self) -> BlockPool:
@@ -249,17 +249,9 @@ class Engine:
         return CycleResult(chunk, self._outputs.take(), record)
 
     def _act(self, obs: Observation, job: PrefixJob, t0: float) -> ActionChunk:
-        """Prefill (or find) the action prefix of ``job``, denoise from it, post-process."""
-        node = self._planner.nodes([job], self._work.meter)[0]
-        cfg = self._model_cfg
-        generator = torch.Generator().manual_seed(self.config.action.noise_seed + obs.seq)
-        noise = torch.randn((1, cfg.action_horizon, cfg.action_dim), generator=generator)
-        with self._work.meter.phase("denoise_s"):
-            actions = self._runner.denoise(node.seq, noise, self.config.action.num_denoise_steps,
-                                           self._io.state_tensor(obs.state))
+        chunk = self._action.run(obs, job, t0, self._work.meter)
         self._mode.action_done()
-        return ActionChunk(self._io.actions_out(actions[0], obs.state), obs.seq, obs.stamp,
-                           time.perf_counter() - t0, obs.tag)
+        return chunk
 
     def _meter(self, estimator: StepCostEstimator | None = None) -> CycleMeter:
         return CycleMeter(self._pool, estimator or self._estimator, self._runner.counters)
