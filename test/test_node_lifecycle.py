@@ -345,7 +345,7 @@ def test_an_open_ask_goal_gets_its_result_on_shutdown_and_deactivate(transition,
     namespace = f"/asktest_{os.getpid()}_{transition}"
     params = REPO_ROOT / "config" / "pi05_tiny.yaml"
     overrides = ["control_rate_hz:=4.0", "engine.scheduling:=fixed_k", "engine.decode_steps_per_cycle:=1",
-                 "speech.trigger_every_s:=0.0", "speech.max_new_tokens:=60", "memory.enabled:=false"]
+                 "speech.trigger.every_s:=0.0", "speech.max_new_tokens:=60", "memory.enabled:=false"]
     robot = _RobotSide(namespace)
     process = subprocess.Popen(
         [sys.executable, str(EXECUTABLE), "--ros-args", "-r", f"__ns:={namespace}", "--params-file", str(params)]

@@ -56,7 +56,7 @@ def test_configure_time_parameters_apply_at_configure_and_are_refused_while_conf
         assert _set(h, "trajectory_joint_names", JOINTS[:6]).successful
         assert _set(h, "on_stop_command", "hold").successful
         assert _set(h, "control_rate_hz", 5.0).successful          # a new control rate ...
-        assert _set(h, "speech.trigger_every_s", 7.0).successful   # ... and a new trigger
+        assert _set(h, "speech.trigger.every_s", 7.0).successful   # ... and a new trigger
         assert h.change_state("configure") and h.change_state("activate")
         config = h.node.engine.config
         assert config.action.control_period_s == pytest.approx(1.0 / 5.0)

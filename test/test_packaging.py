@@ -117,7 +117,8 @@ def _colcon_test_runs_the_registered_tests(workspace, source, env):
 
 # Python import name -> rosdep key, for the non-ROS imports that have one
 _ROSDEP_KEYS = {"numpy": "python3-numpy", "yaml": "python3-yaml", "cv2": "python3-opencv",
-                "matplotlib": "python3-matplotlib", "pytest": "python3-pytest", "PIL": "python3-pil"}
+                "matplotlib": "python3-matplotlib", "pytest": "python3-pytest", "PIL": "python3-pil",
+                "h5py": "python3-h5py", "tqdm": "python3-tqdm"}
 # Python import name -> pip distribution, for the pip-only ones
 _PIP_NAMES = {"gym_aloha": "gym-aloha", "mcap_ros2": "mcap"}
 

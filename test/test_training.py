@@ -112,9 +112,9 @@ def test_trainer_writes_a_checkpoint_the_loader_and_engine_serve(dataset, tmp_pa
     processor = Processor(config, robot, load_tokenizer(config), stats, conventions)
     model = load_model(config, checkpoint, dtype="float32")
     engine = Engine(model, ProcessorIO(processor), EngineConfig.from_dict({
-        "mode": "unified", "camera_slots": list(CAMERA_SLOTS.values()), "kv_budget_bytes": 8 * 2**20,
+        "mode": "unified", "camera_slots": list(CAMERA_SLOTS.values()), "kv_budget_mb": 8,
         "block_size": 16, "scheduling": "fixed_k", "decode_steps_per_cycle": 4,
-        "action": {"prompt_template": policy["action_prompt"], "control_period_s": 10.0},
+        "action": {"prompt_template": policy["action_prompt"], "control_rate_hz": 0.1},
         "language_tasks": [
             {"name": "speech", "prompt_template": policy["speech_prompt"], "trigger": {"every_n_frames": 1},
              "max_new_tokens": 4},

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from oxygen_ros.engine.model_io import ProcessorIO
 from oxygen_ros.models import RobotConfig, get_preset, load_model
-from oxygen_ros.models.reference import joint_forward
+from oxygen_ros.models.reference import joint_forward, reference_actions, reference_generate
 from oxygen_ros.models.checkpoint import save_checkpoint
 from oxygen_ros.models.config import VLAConfig, save_norm_stats
 from oxygen_ros.models.conventions import Conventions, variant_defaults
@@ -271,13 +271,13 @@ def greedy_text(model: VLAModel, image_tokens: torch.Tensor, prompt: list[int], 
     with torch.inference_mode():
         embeds = torch.cat((image_tokens[None], model.embed_tokens(torch.tensor([prompt])).to(image_tokens.dtype)), 1)
         mask = torch.ones(embeds.shape[:2], dtype=torch.bool)
-        out = model.reference_generate(embeds, mask, max_tokens)[0].tolist()
+        out = reference_generate(model, embeds, mask, max_tokens)[0].tolist()
     return out[:out.index(eos)] if eos in out else out
 
 
 def evaluate(model: VLAModel, batches: Batches, idx: np.ndarray, seed: int) -> dict:
     """On samples ``idx`` through the model's inference paths (:meth:`VLAModel.encode_images`,
-    :meth:`VLAModel.reference_actions`, :meth:`VLAModel.reference_generate`): the action chunk's mean
+    :func:`~oxygen_ros.models.reference.reference_actions`, :func:`~oxygen_ros.models.reference.reference_generate`): the action chunk's mean
     squared error in normalised units (10 Euler steps from seeded noise), and the exact-match accuracy
     of the greedily decoded subtask and caption."""
     model.eval()
@@ -291,7 +291,7 @@ def evaluate(model: VLAModel, batches: Batches, idx: np.ndarray, seed: int) -> d
             ids = torch.tensor([batches.action_ids[i]])
             embeds = torch.cat((tokens, model.embed_tokens(ids).to(tokens.dtype)), 1)
             noise = torch.randn((1, model.config.action_horizon, model.config.action_dim), generator=gen)
-            pred = model.reference_actions(embeds, torch.ones(embeds.shape[:2], dtype=torch.bool), noise)
+            pred = reference_actions(model, embeds, torch.ones(embeds.shape[:2], dtype=torch.bool), noise)
             mse.append(float(((pred[0].cpu() - batches.actions[i]) ** 2)[:, :len(JOINTS)].mean()))
             sub = tok.decode(greedy_text(model, tokens[0], batches.subtask_prompt[i], tok.eos_id, batches.max_target))
             cap = tok.decode(greedy_text(model, tokens[0], batches.caption_prompt[i], tok.eos_id, batches.max_target))
