@@ -107,3 +107,62 @@ def test_services_answer_while_configure_loads_the_model(tmp_path):
         probe.destroy_node()
         context.try_shutdown()
         context.destroy()
+
+
+def test_a_signal_during_configure_stops_autostart_before_activate(tmp_path):
+    """SIGINT while autostart's configure loads the model: configure ends, but the node is never activated
+    (nothing could be published after the signal), and the process exits 0."""
+    import re
+    import signal
+
+    import numpy as np
+    import rclpy
+    from lifecycle_msgs.srv import GetState
+    from rclpy.context import Context
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.node import Node
+
+    from oxygen_ros.models.config import NormStats, save_norm_stats
+
+    joints = 7    # config/pi05_tiny.yaml's joint_names
+    stats = NormStats(mean=np.zeros(joints), std=np.ones(joints), q01=-np.ones(joints), q99=np.ones(joints))
+    valid = tmp_path / "valid.json"
+    save_norm_stats({"state": stats, "actions": stats}, valid)
+    pipe = tmp_path / "norm_stats.json"
+    os.mkfifo(pipe)
+    namespace = f"/stopping_{os.getpid()}"
+    process = subprocess.Popen([sys.executable, str(EXECUTABLE), "--ros-args", "-r", f"__ns:={namespace}",
+                                "--params-file", str(REPO_ROOT / "config" / "pi05_tiny.yaml"),
+                                "-p", f"norm_stats_path:={pipe}"],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=dict(os.environ))
+    context = Context()
+    rclpy.init(context=context)
+    probe = Node("stop_probe", context=context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(probe)
+    try:
+        get_state = probe.create_client(GetState, f"{namespace}/oxygen_node/get_state")
+        assert get_state.wait_for_service(timeout_sec=60.0), "no get_state service"
+        label = ""
+        deadline = time.monotonic() + 120.0
+        while label != "configuring" and process.poll() is None and time.monotonic() < deadline:
+            label = _call(executor, get_state, GetState.Request()).current_state.label
+            time.sleep(0.1)
+        assert label == "configuring", f"state {label!r}"
+        process.send_signal(signal.SIGINT)
+        with open(pipe, "w") as writer:        # configure has the read end open: it now reads valid statistics
+            writer.write(valid.read_text())
+        output, _ = process.communicate(timeout=120.0)
+        assert process.returncode == 0, output
+        assert "autostart: stopping before activate" in output, output
+        assert re.search(r"\]: configured ", output), output      # configure itself completed
+        assert not re.search(r"\]: active$", output, flags=re.M), output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        executor.shutdown()
+        probe.destroy_node()
+        context.try_shutdown()
+        context.destroy()

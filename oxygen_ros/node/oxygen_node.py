@@ -174,6 +174,7 @@ class OxygenNode(LifecycleNode):
         self._cycle_error_warner = DropCounter(self._log_error)
         self._configure_error: str | None = None
         self._autostart_failed: str | None = None
+        self._autostart_cancelled = threading.Event()   # set by a stop signal: no further autostart transition
         # output checks and time (see output_checks.py, time_checks.py)
         self._withheld = DropCounter(self._log_error, what="output withheld")
         self._output_warner = DropCounter(self.get_logger().warning, what="output changed")
@@ -313,9 +314,18 @@ class OxygenNode(LifecycleNode):
         name = getattr(entity, "srv_name", None)
         return name is not None and name.rsplit("/", 1)[-1] == "change_state" and entity in self.services
 
+    def cancel_autostart(self) -> None:
+        """Take no further autostart transition (a stop signal arrived): a configure in progress ends, but
+        the node is not activated after it, so nothing is published after the signal. Any thread."""
+        self._autostart_cancelled.set()
+
     def _autostart(self) -> None:
         self.destroy_timer(self._autostart_timer)
         for transition, trigger in (("configure", self.trigger_configure), ("activate", self.trigger_activate)):
+            if self._autostart_cancelled.is_set():
+                self.get_logger().info(f"autostart: stopping before {transition}; the node stays "
+                                       f"{self._lifecycle_state}")
+                return
             if trigger() != TransitionCallbackReturn.SUCCESS:
                 self._autostart_failed = transition
                 self.get_logger().error(f"autostart: {transition} failed (reason above); the node stays "
@@ -916,7 +926,9 @@ class OxygenNode(LifecycleNode):
             f"{behind_s:.3f} s behind the node clock"
             + ("" if offset is None else f" (camera header stamps vs node clock at receipt: {offset:+.3f} s)")
             + f". expired_output_policy {policy}: {action}; counted in ~/status (expired_chunks, "
-            "expired_trajectories). Synchronise the camera and node clocks, or use trajectory_stamp_policy: now. "
+            "expired_trajectories). If the camera offset is small the delay is inference time: the chunk spans "
+            "less time (action_horizon x action_dt_s) than a cycle takes on this machine; otherwise synchronise "
+            "the camera and node clocks, or use trajectory_stamp_policy: now. "
             "This warning is given once per activation.")
 
     def _publish_language(self, events) -> None:
@@ -1101,6 +1113,7 @@ def _spin(node: OxygenNode, received: list[int]) -> int:
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     start = time.monotonic()
+    node.cancel_autostart()    # a configure in progress is not followed by activate
     if received:
         logger.info(f"{signal.Signals(received[0]).name}: stopping")
     try:

@@ -393,6 +393,11 @@ def read_settings(node: Node) -> NodeSettings:
         ValueError: an invalid or inconsistent value; the message names the parameter.
     """
     v = {name: _value(node, name) for name in DECLARATIONS}
+    # Choices first (start-up overrides bypass the set-time check): an unknown preset is named as such, not
+    # hidden behind the first missing value a check below would report.
+    for name, declaration in DECLARATIONS.items():
+        if declaration.engine_path is None and declaration.knob.choices and isinstance(v[name], str):
+            declaration.knob.check(f"parameter {name}", v[name], "str")
     topics = list(v["camera_topics"])
     if not topics:
         raise ValueError("parameter camera_topics: at least one camera is needed")
