@@ -92,7 +92,7 @@ def test_counts_agree_with_torchs_flop_counter_on_the_model():
 
 def test_the_bench_runs_end_to_end_at_tiny_dims(tmp_path, capsys):
     out = tmp_path / "roofline.json"
-    result = roofline.main(["--cameras", "1", "--prompt-len", "4", "--steps", "2", "--batch", "2", "--rounds", "1",
+    result = roofline.main(["--cameras", "1", "--prompt-len", "4", "--num-denoise-steps", "2", "--batch", "2", "--rounds", "1",
                             "--gemm-n", "64", "--stream-mib", "1", "--compare", "--out", str(out)])
     printed = capsys.readouterr().out
     assert json.loads(out.read_text())["phases"] == json.loads(json.dumps(result["phases"]))

@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--preset", default="pi05_tiny", choices=sorted(PRESETS))
     parser.add_argument("--cameras", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=12, help="prompt tokens (3 cameras + 12 = 780)")
-    parser.add_argument("--steps", type=int, default=10, help="Euler steps S")
+    parser.add_argument("--num-denoise-steps", type=int, default=10, help="Euler steps S (the node parameter num_denoise_steps)")
     parser.add_argument("--batch", type=int, default=30, help="requests of the batched decode step (N)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--gemm-n", type=int, default=2048, help="side of the ceiling GEMM")
@@ -437,14 +437,14 @@ def main(argv: list[str] | None = None) -> dict:
                         help="also run every phase without the fused projections and the one-thread rule")
     parser.add_argument("--out", default=None, help="also write the result as JSON here")
     args = parser.parse_args(argv)
-    if min(args.cameras, args.prompt_len, args.steps, args.batch, args.rounds, args.gemm_n) < 1 \
+    if min(args.cameras, args.prompt_len, args.num_denoise_steps, args.batch, args.rounds, args.gemm_n) < 1 \
             or args.stream_mib <= 0:
-        parser.error("--cameras, --prompt-len, --steps, --batch, --rounds, --gemm-n and --stream-mib must be positive")
+        parser.error("--cameras, --prompt-len, --num-denoise-steps, --batch, --rounds, --gemm-n and --stream-mib must be positive")
     if args.threads < 0:
         parser.error("--threads must be >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run(args.preset, args.cameras, args.prompt_len, args.steps, args.batch, args.rounds, args.gemm_n,
+    result = run(args.preset, args.cameras, args.prompt_len, args.num_denoise_steps, args.batch, args.rounds, args.gemm_n,
                  args.stream_mib, args.torch_kernels, args.compare)
     print(format_table(result))
     if args.out:
