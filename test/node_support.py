@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -42,6 +44,18 @@ _HARNESS_IDS = itertools.count(1)
 # Keys of a params file's section for this node, most specific first: rcl applies "/**/oxygen_node" (any
 # namespace, what the shipped files use), "oxygen_node" and "/oxygen_node" (the root namespace only).
 NODE_KEYS = ("/**/oxygen_node", "oxygen_node", "/oxygen_node")
+
+
+def start_executable(cwd, namespace: str | None = None, params_file=REPO_ROOT / "config" / "pi05_tiny.yaml",
+                     overrides=()) -> subprocess.Popen:
+    """Start the installed ``oxygen_node`` executable in ``cwd`` with ``params_file``, optionally under
+    ``namespace`` and with ``-p`` ``overrides`` (``"name:=value"``); stdout and stderr together, as text."""
+    args = [sys.executable, str(EXECUTABLE), "--ros-args"]
+    if namespace is not None:
+        args += ["-r", f"__ns:={namespace}"]
+    args += ["--params-file", str(params_file)] + [arg for override in overrides for arg in ("-p", override)]
+    return subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ))
 
 
 def node_section(data: dict) -> dict:

@@ -6,15 +6,14 @@ a configure-time parameter is refused with the reason (the load in progress uses
 began) and a dynamic one is accepted."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
-from node_support import EXECUTABLE, REPO_ROOT
+from node_support import start_executable
 
 pytestmark = pytest.mark.ros
 
@@ -40,29 +39,27 @@ def _release(pipe, process, timeout: float = 120.0) -> None:
             time.sleep(0.1)
 
 
-def test_services_answer_while_configure_loads_the_model(tmp_path):
+@contextlib.contextmanager
+def _configuring_node(tmp_path, name: str):
+    """Start the ``oxygen_node`` executable (tiny config, autostart) whose ``norm_stats_path`` is a named pipe, and
+    wait until it is ``configuring`` (blocked in reading the pipe). Yields ``(process, pipe, namespace, probe,
+    executor)``: the process (stdout and stderr together), the pipe, the node's namespace and a probe node with
+    its executor for service calls; kills the process if it is still running at the end."""
     import rclpy
     from lifecycle_msgs.srv import GetState
-    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
-    from rcl_interfaces.srv import GetParameters, ListParameters, SetParameters
     from rclpy.context import Context
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.node import Node
 
     pipe = tmp_path / "norm_stats.json"
     os.mkfifo(pipe)
-    namespace = f"/configuring_{os.getpid()}"
-    process = subprocess.Popen([sys.executable, str(EXECUTABLE), "--ros-args", "-r", f"__ns:={namespace}",
-                                "--params-file", str(REPO_ROOT / "config" / "pi05_tiny.yaml"),
-                                "-p", f"norm_stats_path:={pipe}"],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=dict(os.environ))
+    namespace = f"/{name}_{os.getpid()}"
+    process = start_executable(tmp_path, namespace, overrides=[f"norm_stats_path:={pipe}"])
     context = Context()
     rclpy.init(context=context)
-    probe = Node("configure_probe", context=context)
+    probe = Node(f"{name}_probe", context=context)
     executor = SingleThreadedExecutor(context=context)
     executor.add_node(probe)
-    released = False
     try:
         get_state = probe.create_client(GetState, f"{namespace}/oxygen_node/get_state")
         assert get_state.wait_for_service(timeout_sec=60.0), "no get_state service"
@@ -72,6 +69,24 @@ def test_services_answer_while_configure_loads_the_model(tmp_path):
             label = _call(executor, get_state, GetState.Request()).current_state.label
             time.sleep(0.1)
         assert label == "configuring", f"state {label!r}"
+        yield process, pipe, namespace, probe, executor
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        executor.shutdown()
+        probe.destroy_node()
+        context.try_shutdown()
+        context.destroy()
+
+
+def test_services_answer_while_configure_loads_the_model(tmp_path):
+    from lifecycle_msgs.srv import GetState
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import GetParameters, ListParameters, SetParameters
+
+    with _configuring_node(tmp_path, "configuring") as (process, pipe, namespace, probe, executor):
+        get_state = probe.create_client(GetState, f"{namespace}/oxygen_node/get_state")
         get_parameters = probe.create_client(GetParameters, f"{namespace}/oxygen_node/get_parameters")
         assert get_parameters.wait_for_service(timeout_sec=20.0)
         values = _call(executor, get_parameters, GetParameters.Request(names=["preset", "norm_stats_path"])).values
@@ -93,20 +108,9 @@ def test_services_answer_while_configure_loads_the_model(tmp_path):
         # Still configuring: configure waits on the pipe.
         assert _call(executor, get_state, GetState.Request()).current_state.label == "configuring"
         _release(pipe, process)      # end of file: not JSON, configure fails
-        released = True
         output, _ = process.communicate(timeout=120.0)
         assert process.returncode == 1, output                # autostart's configure failed
         assert "configure failed" in output, output
-    finally:
-        if not released and process.poll() is None:
-            process.kill()
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        executor.shutdown()
-        probe.destroy_node()
-        context.try_shutdown()
-        context.destroy()
 
 
 def test_a_signal_during_configure_stops_autostart_before_activate(tmp_path):
@@ -116,11 +120,6 @@ def test_a_signal_during_configure_stops_autostart_before_activate(tmp_path):
     import signal
 
     import numpy as np
-    import rclpy
-    from lifecycle_msgs.srv import GetState
-    from rclpy.context import Context
-    from rclpy.executors import SingleThreadedExecutor
-    from rclpy.node import Node
 
     from oxygen_ros.models.config import NormStats, save_norm_stats
 
@@ -128,28 +127,7 @@ def test_a_signal_during_configure_stops_autostart_before_activate(tmp_path):
     stats = NormStats(mean=np.zeros(joints), std=np.ones(joints), q01=-np.ones(joints), q99=np.ones(joints))
     valid = tmp_path / "valid.json"
     save_norm_stats({"state": stats, "actions": stats}, valid)
-    pipe = tmp_path / "norm_stats.json"
-    os.mkfifo(pipe)
-    namespace = f"/stopping_{os.getpid()}"
-    process = subprocess.Popen([sys.executable, str(EXECUTABLE), "--ros-args", "-r", f"__ns:={namespace}",
-                                "--params-file", str(REPO_ROOT / "config" / "pi05_tiny.yaml"),
-                                "-p", f"norm_stats_path:={pipe}"],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=dict(os.environ))
-    context = Context()
-    rclpy.init(context=context)
-    probe = Node("stop_probe", context=context)
-    executor = SingleThreadedExecutor(context=context)
-    executor.add_node(probe)
-    try:
-        get_state = probe.create_client(GetState, f"{namespace}/oxygen_node/get_state")
-        assert get_state.wait_for_service(timeout_sec=60.0), "no get_state service"
-        label = ""
-        deadline = time.monotonic() + 120.0
-        while label != "configuring" and process.poll() is None and time.monotonic() < deadline:
-            label = _call(executor, get_state, GetState.Request()).current_state.label
-            time.sleep(0.1)
-        assert label == "configuring", f"state {label!r}"
+    with _configuring_node(tmp_path, "stopping") as (process, pipe, _namespace, _probe, _executor):
         process.send_signal(signal.SIGINT)
         with open(pipe, "w") as writer:        # configure has the read end open: it now reads valid statistics
             writer.write(valid.read_text())
@@ -158,11 +136,3 @@ def test_a_signal_during_configure_stops_autostart_before_activate(tmp_path):
         assert "autostart: stopping before activate" in output, output
         assert re.search(r"\]: configured ", output), output      # configure itself completed
         assert not re.search(r"\]: active$", output, flags=re.M), output
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        executor.shutdown()
-        probe.destroy_node()
-        context.try_shutdown()
-        context.destroy()

@@ -10,12 +10,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from node_support import EXECUTABLE, JOINTS, REPO_ROOT, Harness, tiny_parameters, wait_for
+from node_support import JOINTS, Harness, start_executable, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 
@@ -145,11 +144,7 @@ def test_executable_ends_cleanly_on_signal(signum, tmp_path):
     it takes is logged, not asserted: a busy CI machine must not make this flaky)."""
     from oxygen_ros.msg import ActionChunk  # noqa: F401  (the environment has the built package)
 
-    executable = EXECUTABLE
-    params = REPO_ROOT / "config" / "pi05_tiny.yaml"
-    process = subprocess.Popen([sys.executable, str(executable), "--ros-args", "--params-file", str(params)],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=dict(os.environ))
+    process = start_executable(tmp_path)
     try:
         output = []
         deadline = time.monotonic() + 60.0
@@ -260,14 +255,10 @@ def test_signal_mid_utterance_ends_it_and_holds_the_arm(signum, tmp_path):
     from action_msgs.msg import GoalStatus
 
     namespace = f"/sigtest_{os.getpid()}_{signum}"
-    params = REPO_ROOT / "config" / "pi05_tiny.yaml"
     overrides = ["control_rate_hz:=4.0", "engine.scheduling:=fixed_k", "engine.decode_steps_per_cycle:=2",
                  "speech.trigger.every_n_frames:=1", "speech.max_new_tokens:=60", "memory.enabled:=false"]
     robot = _RobotSide(namespace)
-    process = subprocess.Popen(
-        [sys.executable, str(EXECUTABLE), "--ros-args", "-r", f"__ns:={namespace}", "--params-file", str(params)]
-        + [arg for override in overrides for arg in ("-p", override)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    process = start_executable(tmp_path, namespace, overrides=overrides)
     try:
         assert wait_for(lambda: any(not s.final for s in list(robot.speech)) or process.poll() is not None,
                         120.0), "no partial Speech"
@@ -343,14 +334,10 @@ def test_an_open_ask_goal_gets_its_result_on_shutdown_and_deactivate(transition,
     from lifecycle_msgs.srv import ChangeState
 
     namespace = f"/asktest_{os.getpid()}_{transition}"
-    params = REPO_ROOT / "config" / "pi05_tiny.yaml"
     overrides = ["control_rate_hz:=4.0", "engine.scheduling:=fixed_k", "engine.decode_steps_per_cycle:=1",
                  "speech.trigger.every_s:=0.0", "speech.max_new_tokens:=60", "memory.enabled:=false"]
     robot = _RobotSide(namespace)
-    process = subprocess.Popen(
-        [sys.executable, str(EXECUTABLE), "--ros-args", "-r", f"__ns:={namespace}", "--params-file", str(params)]
-        + [arg for override in overrides for arg in ("-p", override)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    process = start_executable(tmp_path, namespace, overrides=overrides)
     try:
         # active: the latched instruction's utterance is being decoded
         assert wait_for(lambda: any(not s.final for s in list(robot.speech)) or process.poll() is not None,

@@ -9,14 +9,12 @@ installed executable starts namespaced with the tiny config and becomes active (
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import yaml
 
-from node_support import EXECUTABLE, REPO_ROOT, flat_parameters, node_section
+from node_support import REPO_ROOT, flat_parameters, node_section, start_executable
 
 pytestmark = pytest.mark.ros
 
@@ -98,10 +96,7 @@ def test_executable_starts_namespaced_with_the_tiny_config(tmp_path):
     from rclpy.node import Node
 
     namespace = f"/robot_{os.getpid()}"
-    process = subprocess.Popen([sys.executable, str(EXECUTABLE), "--ros-args", "-r", f"__ns:={namespace}",
-                                "--params-file", str(REPO_ROOT / "config" / "pi05_tiny.yaml")],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=dict(os.environ))
+    process = start_executable(tmp_path, namespace)
     context = Context()
     rclpy.init(context=context)
     client_node = Node("namespace_probe", context=context)
