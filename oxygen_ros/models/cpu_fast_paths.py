@@ -128,16 +128,23 @@ class Linear(nn.Linear):
                 and x.dtype == self.weight.dtype == torch.float32 and packed_weights_available())
 
     def _packed_weight(self) -> torch.Tensor | None:
-        weight = self.weight
-        key = (weight.data_ptr(), weight._version)
-        if self._packed is None or self._packed[0] != key:
-            try:
-                self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT))
-            except RuntimeError as error:
-                _LOG.warning("oneDNN weight packing failed, using F.linear: %s", error)
-                _PACKING["available"] = False
-                return None
-        return self._packed[1]
+        self._packed = _packed_copy(self._packed, (self.weight.data_ptr(), self.weight._version), self.weight)
+        return None if self._packed is None else self._packed[1]
+
+
+def _packed_copy(cached: tuple[tuple, torch.Tensor] | None, key: tuple, weight: torch.Tensor
+                 ) -> tuple[tuple, torch.Tensor] | None:
+    """``cached`` (a ``(key, packed weight)`` pair) if it was packed from ``weight`` in the state ``key``,
+    else ``weight`` newly prepacked for oneDNN; None when packing fails (logged; packing is then off for
+    the process, :func:`packed_weights_available`)."""
+    if cached is not None and cached[0] == key:
+        return cached
+    try:
+        return key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+    except RuntimeError as error:
+        _LOG.warning("oneDNN weight packing failed, using F.linear: %s", error)
+        _PACKING["available"] = False
+        return None
 
 
 class LinearGroup:
@@ -190,14 +197,8 @@ class LinearGroup:
         return self._weight[1]
 
     def _packed_weight(self, key: tuple, weight: torch.Tensor) -> torch.Tensor | None:
-        if self._packed is None or self._packed[0] != key:
-            try:
-                self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT))
-            except RuntimeError as error:
-                _LOG.warning("oneDNN weight packing failed, using F.linear: %s", error)
-                _PACKING["available"] = False
-                return None
-        return self._packed[1]
+        self._packed = _packed_copy(self._packed, key, weight)
+        return None if self._packed is None else self._packed[1]
 
 
 def use_fused_projections(enabled: bool) -> None:
