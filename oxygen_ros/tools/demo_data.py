@@ -624,8 +624,21 @@ def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def _generate_and_write(job: tuple) -> dict:
+    """One episode: generate, write, return its ``dataset.json`` record (a pool worker's unit of work)."""
+    i, seed, image_every, width, height, out = job
+    start = time.perf_counter()
+    episode = generate_episode(seed, image_every=image_every, width=width, height=height)
+    write_episode(episode, Path(out) / f"episode_{i}.hdf5")
+    return {"file": f"episode_{i}.hdf5", "seed": seed, "steps": len(episode.action),
+            "images_per_camera": len(episode.image_steps),
+            "outcome": dict(zip(PHASES, map(bool, episode.outcome))),
+            "expert_outcome": dict(zip(PHASES, map(bool, episode.expert_phases))),
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
 def generate_dataset(out_dir: str | Path, episodes: int, seed: int = 0, image_every: int = 5, width: int = 320,
-                     height: int = 240, progress: bool = True) -> dict:
+                     height: int = 240, progress: bool = True, workers: int = 1) -> dict:
     """Generate ``episodes`` demonstrations (cube seeds ``seed .. seed + episodes - 1``) into ``out_dir``
     as ``episode_<i>.hdf5`` plus ``dataset.json`` (the recipe, each episode's outcome, the expert's
     success rate per phase with its 95 % Wilson interval, and the measured seconds per episode).
@@ -634,27 +647,37 @@ def generate_dataset(out_dir: str | Path, episodes: int, seed: int = 0, image_ev
         the content of ``dataset.json``.
 
     Raises:
-        ValueError: ``episodes`` < 1 or ``image_every`` < 1.
+        ValueError: ``episodes`` < 1, ``workers`` < 1 or ``image_every`` < 1.
     """
     from tqdm import tqdm
 
     if episodes < 1:
         raise ValueError(f"episodes must be >= 1, got {episodes}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records = []
-    bar = tqdm(range(episodes), desc="demonstrations", unit="episode", disable=not progress)
-    for i in bar:
-        start = time.perf_counter()
-        episode = generate_episode(seed + i, image_every=image_every, width=width, height=height)
-        write_episode(episode, out / f"episode_{i}.hdf5")
-        records.append({"file": f"episode_{i}.hdf5", "seed": seed + i, "steps": len(episode.action),
-                        "images_per_camera": len(episode.image_steps),
-                        "outcome": dict(zip(PHASES, map(bool, episode.outcome))),
-                        "expert_outcome": dict(zip(PHASES, map(bool, episode.expert_phases))),
-                        "seconds": round(time.perf_counter() - start, 3)})
-        done = sum(r["outcome"]["transferred"] for r in records)
-        bar.set_postfix(transferred=f"{done}/{len(records)}")
+    jobs = [(i, seed + i, image_every, width, height, str(out)) for i in range(episodes)]
+    bar = tqdm(total=episodes, desc="demonstrations", unit="episode", disable=not progress)
+    # Each episode depends only on its own seed, so a pool of processes gives the same files as one
+    # process (rendering is single-threaded: one worker per core). Spawned, not forked: MuJoCo's GL
+    # context does not survive a fork.
+    pool = None
+    if workers > 1:
+        import multiprocessing
+
+        pool = multiprocessing.get_context("spawn").Pool(min(workers, episodes))
+    try:
+        for record in (pool.imap(_generate_and_write, jobs) if pool else map(_generate_and_write, jobs)):
+            records.append(record)
+            bar.update(1)
+            done = sum(r["outcome"]["transferred"] for r in records)
+            bar.set_postfix(transferred=f"{done}/{len(records)}")
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
     success = {}
     for phase in PHASES:
         k = sum(r["outcome"][phase] for r in records)
@@ -680,13 +703,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="render the cameras every N control steps of 20 ms (default 5: 10 Hz)")
     parser.add_argument("--width", type=int, default=320, help="image width [px] (default 320, the demo robot's)")
     parser.add_argument("--height", type=int, default=240, help="image height [px] (default 240)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="episodes generated in parallel processes (default: the number of CPUs; "
+                             "the files do not depend on it)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Generate the dataset and print the expert's success rate per phase."""
     args = parse_args(argv)
-    summary = generate_dataset(args.out, args.episodes, args.seed, args.image_every, args.width, args.height)
+    summary = generate_dataset(args.out, args.episodes, args.seed, args.image_every, args.width, args.height,
+                               workers=args.workers)
     for phase, s in summary["success"].items():
         print(f"expert {phase:11s} {s['successes']}/{s['episodes']} = {s['rate']:.0%} "
               f"(95 % CI {s['ci95'][0]:.0%}-{s['ci95'][1]:.0%})")
