@@ -7,7 +7,7 @@ A cycle (:meth:`Engine.run_cycle`), after OxyGen (arXiv 2603.14371) with a deadl
 2. act: one vision call for the cameras, the action prefix prefilled or found in the cycle's prefix
    tree (``prefix_cache.py``), denoising (``action.py``); the :class:`ActionChunk` is handed out at once.
    With π0.5's subtask loop (``action.subtask_task``) the action prompt carries the robot's latest
-   subtask, the text of the source task's latest completed request (``subtask.py``);
+   subtask, the text of the source task's latest request that completed on a stop token (``subtask.py``);
 3. admit: the scheduler admits waiting language requests (``scheduler.py``: page reservation,
    priority, preemption); their prefixes are prefilled in one batched call per tree level;
 4. decode within the budget: batched decode steps of every running request of every frame, as the

@@ -1,6 +1,6 @@
 """π0.5's subtask loop: the high-level inference's latest subtask conditions the low-level inference.
 
-π0.5 (arXiv 2504.16054, section IV) first decodes a subtask in text ("grasp the cube") from the
+π0.5 (arXiv 2504.16054) first decodes a subtask in text ("grasp the cube") from the
 observation, then predicts actions from a prompt that carries it. Here the high-level inference is an
 ordinary speech-kind language task (``action.subtask_task``); :class:`SubtaskState` keeps, for one robot,
 the text of its latest request that ended on a stop token, and :meth:`SubtaskState.action_prompt` chooses
