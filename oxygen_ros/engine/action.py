@@ -39,11 +39,13 @@ class ActionWork:
         self._io = io
         self._shape = (1, horizon, action_dim)
 
-    def run(self, obs: Observation, job: PrefixJob, t0: float, meter: CycleMeter) -> ActionChunk:
+    def run(self, obs: Observation, job: PrefixJob, t0: float, meter: CycleMeter,
+            subtask: str | None = None) -> ActionChunk:
         """Prefill (or find) the action prefix of ``job``, denoise from noise seeded by
         ``noise_seed + obs.seq`` (so a frame's chunk is reproducible), post-process.
 
-        ``t0``: ``time.perf_counter()`` instant the cycle started (the chunk's ``latency_s`` counts from it).
+        ``t0``: ``time.perf_counter()`` instant the cycle started (the chunk's ``latency_s`` counts from it);
+        ``subtask``: the subtask in ``job``'s prompt (recorded on the chunk), None for the plain prompt.
         Returns the chunk in the robot's units ``[H, robot action dim]`` with ``obs``'s seq, stamp and tag.
         """
         node = self._planner.nodes([job], meter)[0]
@@ -53,4 +55,4 @@ class ActionWork:
             actions = self._runner.denoise(node.seq, noise, self._config.num_denoise_steps,
                                            self._io.state_tensor(obs.state))
         return ActionChunk(self._io.actions_out(actions[0], obs.state), obs.seq, obs.stamp,
-                           time.perf_counter() - t0, obs.tag)
+                           time.perf_counter() - t0, obs.tag, subtask, tuple(job.prompt_ids))

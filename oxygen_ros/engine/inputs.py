@@ -25,6 +25,7 @@ class ObservationReader:
     def __init__(self, config: EngineConfig, io: ModelIO, max_prompt_tokens: int | None,
                  image_tokens_per_camera: int):
         self._slots = tuple(config.camera_slots)
+        self._tasks = {task.name: task for task in config.language_tasks}
         self._io = io
         self._max_prompt_tokens = max_prompt_tokens
         self._tokens_per_camera = image_tokens_per_camera
@@ -66,13 +67,18 @@ class ObservationReader:
         submission's ends that submission only, as ``dropped``."""
         image_tokens = sum(mask) * self._tokens_per_camera
         requests = [Request(task, obs.seq, obs.stamp, self.prompt_ids(task.prompt_template, obs),
-                            image_tokens, mask, t_arrival, tag=obs.tag) for task in fired]
+                            image_tokens, mask, t_arrival, tag=obs.tag, instruction=obs.instruction)
+                    for task in fired]
         for submission in inbox.take():
             try:
                 ids = self.prompt_ids(submission.task.prompt_template, obs, submission.instruction)
             except ValueError:
                 inbox.end_unstarted(submission, RequestStatus.DROPPED, obs)
                 continue
+            instruction = obs.instruction if submission.instruction is None else submission.instruction
+            own = instruction == obs.instruction and \
+                submission.task.prompt_template == self._tasks[submission.task.name].prompt_template
             requests.append(Request(submission.task, obs.seq, obs.stamp, list(ids), image_tokens,
-                                    mask, t_arrival, request_id=submission.request_id, tag=obs.tag))
+                                    mask, t_arrival, request_id=submission.request_id, tag=obs.tag,
+                                    instruction=instruction, subtask_source=own))
         return requests

@@ -50,6 +50,9 @@ class Request:
         pooled: pooled prefix hidden state (memory tasks), or None.
         tag: the triggering observation's ``tag``, handed back on every output of the request.
         events_sent: text events emitted so far (the next event's ``index``).
+        instruction: the instruction its prompt was built with.
+        subtask_source: prompted with its task's own template and the observation's instruction (not a
+            submission with its own), so its text may be the robot's subtask (``subtask.py``).
     """
 
     task: TaskConfig
@@ -75,6 +78,8 @@ class Request:
     pooled: torch.Tensor | None = None
     tag: Any = None
     events_sent: int = 0
+    instruction: str = ""
+    subtask_source: bool = True
 
     def __post_init__(self) -> None:
         if self.task.sampling.temperature > 0:
