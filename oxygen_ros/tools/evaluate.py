@@ -253,6 +253,7 @@ class Step:
     latency_s: float                        # wall time from observation to chunk [s]
     speech: list[tuple[float, str]]         # completed utterances (observation stamp, text) that ended now
     memory: list[tuple[float, str]]         # completed memory entries (observation stamp, text)
+    inference_latency_s: float = 0.0        # the engine's: cycle start to chunk ready [s]
 
 
 class EnginePolicy:
@@ -312,7 +313,7 @@ class EnginePolicy:
         names = list(self.settings.action_names)
         if set(JOINTS) <= set(names):
             actions = actions[:, [names.index(j) for j in JOINTS]]
-        return Step(actions, ready[0] - start, speech, memory)
+        return Step(actions, ready[0] - start, speech, memory, float(chunks[0].latency_s))
 
     def finish(self) -> None:
         """End the episode: requests still running are cancelled (their text is not scored)."""
@@ -361,13 +362,14 @@ def run_sync_episode(policy, seed: int, execute_steps: int, max_steps: int = EPI
     control steps. Returns the episode record (see :func:`score_episode`)."""
     sim = EpisodeSim(seed, 0.0, width, height)
     policy.start(seed)
-    speech, memory, latencies = [], [], []
+    speech, memory, latencies, inference = [], [], [], []
     wall = time.perf_counter()
     try:
         while sim.step_index < max_steps:
             images, position, t = sim.observe(CAMERAS if policy.needs_images else ())
             step = policy.act(images, position, t)
             latencies.append(step.latency_s)
+            inference.append(step.inference_latency_s)
             speech += step.speech
             memory += step.memory
             n = min(execute_steps, max_steps - sim.step_index, len(step.actions))
@@ -378,7 +380,8 @@ def run_sync_episode(policy, seed: int, execute_steps: int, max_steps: int = EPI
         policy.finish()
         seconds = time.perf_counter() - wall
         record = sim.trace()
-        record.update(speech=speech, memory=memory, latencies=latencies, chunks=len(latencies),
+        record.update(speech=speech, memory=memory, latencies=latencies, inference_latencies=inference,
+                      chunks=len(latencies),
                       wall_s=seconds, sim_s=sim.step_index * DT, sheet=sim.sheet)
     finally:
         sim.close()
@@ -580,10 +583,16 @@ def _start_child(command: list[str], log: Path) -> subprocess.Popen:
     """A child process in its own session, ended with this process (the kernel's parent-death signal)."""
     import ctypes
 
+    import oxygen_ros
+
     libc = ctypes.CDLL(None, use_errno=True)
+    # The child imports this very package (the source tree or the install space this process runs from).
+    env = dict(os.environ)
+    root = str(Path(oxygen_ros.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     with open(log, "a") as handle:
         return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=log.parent, start_new_session=True,
+                                cwd=log.parent, start_new_session=True, env=env,
                                 preexec_fn=lambda: libc.prctl(1, signal.SIGTERM))
 
 
@@ -701,7 +710,8 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
             else:
                 lo, hi = started, time.time()
             speech, memory, chunks = follower.between(lo, hi)
-            record.update(speech=speech, memory=memory)
+            record.update(speech=speech, memory=memory,
+                          inference_latencies=[latency for _, _, latency in chunks])
             if condition == "node-realtime":
                 record["latencies"] = [received - stamp for stamp, received, _ in chunks]
                 record["chunks"] = len(chunks)
@@ -844,6 +854,8 @@ def score_episode(record: dict) -> dict:
             "subtask_correct": speech_ok, "subtask_total": speech_n,
             "caption_correct": caption_ok, "caption_total": caption_n,
             "chunks": record.get("chunks", 0), "mean_latency_s": float(np.mean(latencies)) if latencies else None,
+            "mean_inference_latency_s": float(np.mean(record["inference_latencies"]))
+            if record.get("inference_latencies") else None,
             "chunks_per_wall_s": record.get("chunks", 0) / wall if wall > 0 else None,
             "wall_s": round(wall, 2), "sim_s": round(record.get("sim_s", 0.0), 3),
             "resets": record.get("resets", 0), "aborted": record.get("aborted")}
@@ -909,7 +921,7 @@ def contact_sheet(record: dict, condition: str, path: Path) -> Path:
 
     sheet = record.get("sheet", [])
     cols = max(1, len(sheet))
-    fig, axes = plt.subplots(1, cols, figsize=(3.2 * cols, 3.3), squeeze=False)
+    fig, axes = plt.subplots(1, cols, figsize=(max(3.2 * cols, 7.0), 3.3), squeeze=False)
     start = record["observed"][0]["t"] if record["observed"] else 0.0
     for ax, (t, image, gt, flags) in zip(axes[0], sheet):
         ax.imshow(image)
