@@ -68,6 +68,8 @@ CAMERA_SLOTS = dict(zip(CAMERAS, ("base_0_rgb", "left_wrist_0_rgb", "right_wrist
 NODE_NAME = "oxygen_node"
 EPISODE_STEPS = 530                  # 10.6 s at 50 Hz, as the demonstrations
 SETTLE_S = demo_data._SETTLE_S       # the cube drops onto the table first (as in the data)
+OFF_TABLE = 0.005                    # cube centre this far above its rest height: off the table [m]
+GRIPPER_OPEN = 0.95                  # normalised opening at or above which a gripper counts as open
 HANDOVER_HEIGHT = 0.10               # cube this far above its rest height, held by the right: "hand over" [m]
 SHEET_TIMES_S = (0.0, 2.0, 4.0, 6.0, 8.0, 10.4)   # contact sheet frames, sim time after the settle [s]
 EPISODE_CLOCK_S = 1000.0             # node-lockstep: episode i's sim clock starts at (i + 1) x this [s]
@@ -77,28 +79,43 @@ EPISODE_CLOCK_S = 1000.0             # node-lockstep: episode i's sim clock star
 # ground truth
 
 
-def ground_truth_subtask(state: demo_data.SceneState, rest_height: float) -> int:
+def ground_truth_subtask(state: demo_data.SceneState, rest_height: float, position: np.ndarray) -> int:
     """The subtask (index into :data:`SUBTASKS`) that the simulator's state says is under way.
 
-    The first rule that holds, in this order:
+    Args:
+        state: the scene's facts (:func:`~oxygen_ros.tools.demo_data.scene_state`).
+        rest_height: the cube centre's height at rest [m].
+        position: float ``[14]`` joint state in gym-aloha's ``JOINTS`` order (grippers: normalised opening,
+            0 closed .. 1 open, at indices 6 (left) and 13 (right)).
 
-    1. the left gripper holds the cube (both left fingers touch it) → ``release the cube``;
-    2. the right gripper holds it, the cube off the table and ≥ ``HANDOVER_HEIGHT`` (10 cm) above its rest
-       height → ``hand the cube to the left arm``;
-    3. the right gripper holds it, off the table (lower) → ``lift the cube``;
-    4. the right gripper holds it on the table, or its grasp point is within 3 cm of the cube centre
-       (``reached``), or a right finger touches the cube → ``grasp the cube``;
+    The first rule that holds, in this order ("off the table": no contact with the table and the cube centre
+    ≥ 5 mm above its rest height; a gripper is "open" at an opening ≥ 0.95, it reads 0.97-1.0 open and
+    ~0.6 closed on the cube):
+
+    1. the cube is off the table and the left gripper is not open (closing on, or holding, the cube) →
+       ``release the cube``;
+    2. the cube is off the table and ≥ ``HANDOVER_HEIGHT`` (10 cm) above its rest height →
+       ``hand the cube to the left arm``;
+    3. the cube is off the table, lower, and the right gripper closed (opening < 0.9) or a right finger
+       touching it → ``lift the cube``;
+    4. the right grasp point is within 3 cm of the cube centre (``reached``) or a right finger touches the
+       cube → ``grasp the cube``;
     5. otherwise → ``move the right arm to the cube`` (also after a drop: the cube must be fetched again).
 
-    The expert's script labels by time (docs/demo-policy.md); on the expert's own episodes the two agree on
-    most steps (the ``expert`` condition's subtask accuracy measures it).
+    Finger contacts flicker while the cube is carried, and the left gripper's fingers close on the cube only
+    once the right ones let go, so the rules read where the cube is and the grippers' openings rather than
+    two-finger contact. The expert's script labels by time (docs/demo-policy.md); on the expert's own
+    episodes the two differ only within a frame or two of the segment boundaries (the ``expert``
+    condition's subtask accuracy measures the agreement).
     """
-    if state.left_holds:
-        return 4
-    if state.right_holds:
-        if state.on_table:
-            return 1
-        return 3 if state.cube[2] >= rest_height + HANDOVER_HEIGHT else 2
+    left_open, right_open = float(position[6]), float(position[13])
+    if not state.on_table and state.cube[2] >= rest_height + OFF_TABLE:
+        if left_open < GRIPPER_OPEN:
+            return 4
+        if state.cube[2] >= rest_height + HANDOVER_HEIGHT:
+            return 3
+        if right_open < 0.9 or state.right_fingers > 0:
+            return 2
     if state.right_distance < demo_data._REACH_TOLERANCE or state.right_fingers > 0:
         return 1
     return 0
@@ -164,7 +181,8 @@ class EpisodeSim:
         state = self._state()
         flags = phase_flags(state, self.rest_height)
         t = self.now_s
-        record = Observed(t, ground_truth_subtask(state, self.rest_height), scene_caption(state),
+        position, _ = self.scene.joint_state()
+        record = Observed(t, ground_truth_subtask(state, self.rest_height, position), scene_caption(state),
                           [bool(f) for f in flags])
         self.observed.append(record)
         images = {camera: self.scene.render(camera) for camera in cameras}
@@ -173,7 +191,6 @@ class EpisodeSim:
         if len(due) > len(self.sheet):
             top = images["top"] if "top" in images else self.scene.render("top")
             self.sheet.append((since, top[::2, ::2].copy(), record.subtask, record.flags))
-        position, _ = self.scene.joint_state()
         return images, position, t
 
     def execute(self, action: np.ndarray) -> None:
@@ -185,6 +202,7 @@ class EpisodeSim:
     def trace(self) -> dict:
         """The episode's record: phase flags per step, observations, sheet frames (images as lists)."""
         return {"seed": self.seed, "rest_height": self.rest_height, "flags": self.flags,
+                "final_position": self.scene.joint_state()[0].tolist(),
                 "observed": [dataclasses.asdict(o) for o in self.observed],
                 "resets": self.scene.resets}
 
@@ -537,13 +555,14 @@ def _realtime_worker(spec: dict) -> int:
     try:
         while scene.sim_time < end_s:
             state = scene.read(lambda model, data: scene_state(model, data, geoms))
+            position, _ = scene.joint_state()
             now = robot.get_clock().now().nanoseconds * 1e-9
             if scene.sim_time >= SETTLE_S:
                 if rest is None:
                     rest = float(state.cube[2])
                 f = [bool(x) for x in phase_flags(state, rest)]
                 flags.append(f)
-                samples.append({"t": now, "subtask": ground_truth_subtask(state, rest),
+                samples.append({"t": now, "subtask": ground_truth_subtask(state, rest, position),
                                 "caption": scene_caption(state), "flags": f})
                 since = scene.sim_time - SETTLE_S
                 if len([s for s in SHEET_TIMES_S if s <= since + 1e-9]) > len(sheet) and latest_top:
