@@ -723,7 +723,7 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
                 raise RuntimeError(f"{condition} episode {seed}: the robot process failed (exit {child.returncode}); "
                                    f"see {out_dir / condition / 'robot.log'}")
             record = _read_record(out)
-            time.sleep(0.5)   # the last outputs of the episode arrive
+            _wait_for_language(oxygen, follower, args.chunk_timeout)   # the episode's last utterances
             if condition == "node-lockstep":
                 lo, hi = offset, offset + EPISODE_CLOCK_S
             else:
@@ -748,6 +748,22 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
         context.try_shutdown()
         context.destroy()
     return records
+
+
+def _wait_for_language(oxygen, follower: "_Follower", timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) until the node has no language request running and no further speech or
+    memory message arrived for 0.5 s: the episode's last utterances are in."""
+    deadline = time.monotonic() + timeout_s
+    last, quiet_since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        engine = oxygen.engine
+        busy = engine is not None and bool(engine.active_requests)
+        counts = (len(follower.speech), len(follower.memory))
+        if counts != last or busy:
+            last, quiet_since = counts, time.monotonic()
+        elif time.monotonic() - quiet_since >= 0.5:
+            return
+        time.sleep(0.05)
 
 
 def _spin(executor, stop: threading.Event) -> None:
@@ -1009,7 +1025,12 @@ def evaluate(args) -> dict:
         else:
             records = run_sync_condition(condition, params, seeds, args, out_dir, log)
         episodes = []
+        (out_dir / condition).mkdir(parents=True, exist_ok=True)
         for record in records:
+            # the whole record (phase flags per step, observations with their ground truth, speech, memory,
+            # latencies) next to its contact sheet
+            (out_dir / condition / f"episode_{record['seed']}.json").write_text(
+                json.dumps({k: v for k, v in record.items() if k != "sheet"}))
             score = score_episode(record)
             score["contact_sheet"] = str(contact_sheet(record, condition,
                                                        out_dir / condition / f"episode_{record['seed']}.png"))
