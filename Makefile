@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 WITH_ENV := source scripts/env.sh &&
 
-.PHONY: setup test demo demo-data train-demo bench-model bench-engine bench-roofline clean
+.PHONY: setup test demo demo-data train-demo eval-demo bench-model bench-engine bench-roofline clean
 
 setup:
 	@bash scripts/setup_env.sh
@@ -21,6 +21,12 @@ demo-data: setup
 
 train-demo: setup
 	@$(WITH_ENV) python -m oxygen_ros.training.train --data runs/demo-data --out runs/train-demo $(TRAIN_ARGS)
+
+# Closed-loop evaluation of the trained policy (docs/demo-policy.md, "Closed-loop evaluation"): node on
+# simulated time, node in real time, synchronous, random weights, scripted expert; EVAL_ARGS passes options
+# (e.g. EVAL_ARGS="--episodes 2 --conditions sync,expert").
+eval-demo: setup
+	@$(WITH_ENV) python -m oxygen_ros.tools.evaluate --checkpoint runs/train-demo/checkpoint $(EVAL_ARGS)
 
 # The same programs as the console scripts `oxygen-bench-model` / `oxygen-bench-engine` of `pip install .`.
 bench-model: setup

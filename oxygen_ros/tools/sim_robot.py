@@ -156,6 +156,12 @@ class AlohaScene:
             velocity[_GRIPPER_INDEX[arm]] = normalize_puppet_gripper_velocity(qvel[_FINGER_QPOS[arm]])
         return position, velocity
 
+    def read(self, fn):
+        """``fn(model, data)`` under the scene's lock (a consistent read of the simulator state, e.g.
+        contacts for scoring); returns its result. ``fn`` must not step the physics or render."""
+        with self._lock:
+            return fn(self.model, self.data)
+
     def render(self, camera: str) -> np.ndarray:
         """The image of ``camera`` now: uint8 ``[height, width, 3]`` RGB."""
         with self._lock:
