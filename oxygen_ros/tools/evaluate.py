@@ -1008,7 +1008,8 @@ def run_sync_condition(condition: str, params: dict, seeds: list[int], args, out
 def evaluate(args) -> dict:
     """Run the selected conditions; writes ``eval.json``, ``eval.md`` and the contact sheets under
     ``args.out``; returns the content of ``eval.json``."""
-    out_dir = Path(args.out)
+    # Absolute: the robot's child process runs in a directory of its own and writes its record here.
+    out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     seeds = list(range(args.start_seed, args.start_seed + args.episodes))
     checkpoint = args.checkpoint or ""
