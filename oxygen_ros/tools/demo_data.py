@@ -70,6 +70,12 @@ _LIFT_HEIGHT = 0.03                         # cube centre this far above its res
 _GRASP_OFFSET = np.array([0.125, 0.0, 0.0])
 # Gripper commands (normalised opening, 0 closed .. 1 open).
 _OPEN, _CLOSED = 1.0, 0.0
+# Torsional spring on each forearm_roll joint of the mocap scene [N·m/rad], rest angle 0. With the wrist
+# straight the forearm roll and the wrist rotate turn about one axis, so the weld leaves their split free and
+# the solver let it drift anywhere from -1.8/+2.0 to +1.8/-2.0 rad from episode to episode: equal gripper
+# poses, opposite joint targets — a mode the images cannot tell, which a policy trained on it averages. The
+# spring keeps the roll within ~0.1 rad without moving the gripper (the expert's success is unchanged).
+_ROLL_STIFFNESS = 50.0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -280,6 +286,8 @@ class EndEffectorScene:
             self._relpose[arm] = (self.model.eq_data[i, 3:6].copy(), self.model.eq_data[i, 6:10].copy())
         self._mocap = {arm: self.model.body(f"mocap_{arm}").mocapid[0] for arm in ARMS}
         self._gripper = {arm: self.model.body(f"vx300s_{arm}/gripper_link").id for arm in ARMS}
+        for arm in ARMS:
+            self.model.jnt_stiffness[self.model.joint(f"vx300s_{arm}/forearm_roll").id] = _ROLL_STIFFNESS
         self.data.qpos[:16] = START_ARM_POSE
         self.data.qpos[16:23] = cube_pose
         mujoco.mj_forward(self.model, self.data)
