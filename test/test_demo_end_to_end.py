@@ -1,4 +1,5 @@
-"""`make demo` in short: sim robot + oxygen node (pi05_tiny, CPU) + recorder for ~10 s, then the report.
+"""`make demo` in short: sim robot + oxygen node (the shipped demo policy, CPU) + recorder for ~10 s, then the
+report with the task's outcome and the subtasks spoken.
 
 Rates are logged, never asserted: the run lasts until the outputs it checks have arrived
 (``--min-outputs``), so a slow or busy machine makes it longer, not red.
@@ -32,10 +33,21 @@ def test_short_demo_produces_chunks_speech_memory_and_a_readable_mcap(tmp_path):
     print(f"chunks/s {summary['action_chunks_per_s']}, speech completed {summary['speech_utterances_completed']}, "
           f"memory {summary['memory_entries']}, deadline misses {summary['deadline_misses']}")
     assert summary["action_chunks"] >= 5
-    assert summary["action_horizon"] == 10
+    assert summary["action_horizon"] == 50            # the shipped pi05_demo policy's (1 s at 50 Hz)
     # >= 3 arrived live; the recorder may miss one still in flight when the run stops
     assert summary["speech_utterances_completed"] >= 2
     assert summary["memory_entries"] >= 2
+    # The task's outcome (the robot's /task_outcome) and readable speech: the policy's subtasks, not blanks.
+    outcome = summary["task_outcome"]
+    assert outcome is not None and outcome["seed"] == 1000 and outcome["steps"] > 0
+    assert re.search(r"^task +reached [✓✗] grasped [✓✗] lifted [✓✗] transferred [✓✗]", proc.stdout, re.M), \
+        proc.stdout[-4000:]
+    spoken = summary["subtasks_spoken"]
+    assert spoken and all(text.strip() for text in spoken)
+    from oxygen_ros.assets import demo_policy_info
+
+    assert set(spoken) & set(demo_policy_info()["subtasks"]), spoken   # it says its subtasks
+    assert any(text.strip() for text in summary["memory_texts"])
     assert (run_dir / "timeline.png").stat().st_size > 0 and (run_dir / "contact_sheet.png").stat().st_size > 0
 
     with AnyReader([run_dir / "bag"], default_typestore=project_typestore()) as reader:
@@ -46,7 +58,8 @@ def test_short_demo_produces_chunks_speech_memory_and_a_readable_mcap(tmp_path):
                   "/joint_states", "/instruction", "/oxygen_node/speech", "/oxygen_node/memory",
                   "/oxygen_node/status", "/diagnostics"):
         assert topic in topics, sorted(topics)
-    assert (chunk.horizon, chunk.action_dim) == (10, 14) and len(chunk.actions) == 140
+    assert "/task_outcome" in topics and "/oxygen_node/speech_text" in topics
+    assert (chunk.horizon, chunk.action_dim) == (50, 14) and len(chunk.actions) == 700
     # The robot process ended with the demo.
     pid = int(re.search(r"robot process (\d+) ended", proc.stdout).group(1))
     assert not os.path.exists(f"/proc/{pid}")

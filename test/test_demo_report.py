@@ -37,3 +37,52 @@ def test_bag_without_metadata_is_read_from_its_mcap(tmp_path):
     data = load_run(tmp_path)
     assert [c["seq"] for c in data.chunks] == [0, 1, 2, 3, 4]
     assert data.topics == {"/oxygen_node/action_chunk": 5}
+
+
+def test_summary_shows_the_task_outcome_the_subtasks_spoken_and_captions(tmp_path):
+    import json
+
+    from rclpy.serialization import serialize_message
+    from std_msgs.msg import String
+
+    from oxygen_ros.msg import MemoryEntry
+    from oxygen_ros.tools.bag_recorder import BagWriter
+    from oxygen_ros.tools.report import format_summary, load_run, summarize
+
+    bag = tmp_path / "bag"
+    spoken = ["move the right arm to the cube", "grasp the cube", "grasp the cube", " ", "lift the cube",
+              "grasp the cube"]
+    outcomes = [dict(seed=1000, sim_time_s=1.0, steps=40, reached=True, grasped=False, lifted=False,
+                     transferred=False),
+                dict(seed=1000, sim_time_s=3.5, steps=165, reached=True, grasped=True, lifted=False,
+                     transferred=False)]
+    with BagWriter(bag) as writer:
+        writer.add_topic("/task_outcome", "std_msgs/msg/String")
+        writer.add_topic("/instruction", "std_msgs/msg/String")
+        writer.add_topic("/oxygen_node/speech_text", "std_msgs/msg/String")
+        writer.add_topic("/oxygen_node/memory", "oxygen_ros/msg/MemoryEntry")
+        writer.write("/instruction", serialize_message(String(data="transfer the cube")), 10**9)
+        for i, text in enumerate(spoken):
+            writer.write("/oxygen_node/speech_text", serialize_message(String(data=text)), 10**9 * (i + 2))
+        for i, outcome in enumerate(outcomes):
+            writer.write("/task_outcome", serialize_message(String(data=json.dumps(outcome))), 10**9 * (3 * i + 2))
+        writer.write("/task_outcome", serialize_message(String(data="not json")), 10**9 * 9)   # ignored
+        for i, text in enumerate(["the cube is on the right of the table"] * 2 + ["the right gripper holds the cube"]):
+            writer.write("/oxygen_node/memory", serialize_message(MemoryEntry(entry_id=str(i), text=text)),
+                         10**9 * (i + 2))
+    summary = summarize(load_run(tmp_path))
+    assert summary["task_outcome"] == outcomes[-1]
+    assert summary["subtasks_spoken"] == ["move the right arm to the cube", "grasp the cube", "lift the cube",
+                                          "grasp the cube"]
+    assert summary["memory_captions"] == ["the cube is on the right of the table", "the right gripper holds the cube"]
+    text = format_summary(summary)
+    print(text)
+    assert "task               reached ✓ grasped ✓ lifted ✗ transferred ✗" in text
+    assert "“grasp the cube”" in text and "“the right gripper holds the cube”" in text
+
+
+def test_summary_without_an_outcome_says_so(tmp_path):
+    from oxygen_ros.tools.report import format_summary, summarize, RunData
+
+    text = format_summary(summarize(RunData()))
+    assert "task               n/a (no /task_outcome in the bag)" in text

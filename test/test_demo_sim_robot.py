@@ -1,6 +1,8 @@
 """The demo's simulated ALOHA robot: rendered cameras and joint states out, action chunks executed."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,9 @@ def test_sim_robot_publishes_cameras_and_joints_and_executes_chunks(ros_context)
     from rclpy.executors import MultiThreadedExecutor
     from rclpy.node import Node
     from rclpy.qos import qos_profile_sensor_data
+    from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
     from sensor_msgs.msg import Image, JointState
+    from std_msgs.msg import String
 
     from oxygen_ros.msg import ActionChunk
     from oxygen_ros.tools.sim_robot import CAMERAS, SimRobot
@@ -27,6 +31,9 @@ def test_sim_robot_publishes_cameras_and_joints_and_executes_chunks(ros_context)
         probe.create_subscription(Image, f"/cameras/{camera}/image_raw",
                                   lambda msg, c=camera: images.__setitem__(c, msg), qos_profile_sensor_data)
     probe.create_subscription(JointState, "/joint_states", joints.append, 10)
+    outcomes: list[dict] = []
+    latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+    probe.create_subscription(String, "/task_outcome", lambda msg: outcomes.append(json.loads(msg.data)), latched)
     chunk_pub = probe.create_publisher(ActionChunk, "/oxygen_node/action_chunk", 10)
     executor = MultiThreadedExecutor(num_threads=2, context=ros_context)
     executor.add_node(robot)
@@ -55,10 +62,41 @@ def test_sim_robot_publishes_cameras_and_joints_and_executes_chunks(ros_context)
         # A chunk the robot cannot execute is counted and ignored.
         chunk_pub.publish(ActionChunk(horizon=2, action_dim=7, dt=0.1, actions=[0.0] * 14))
         assert spin_until(executor, lambda: robot.chunks_rejected == 1, timeout=5.0)
+
+        # The task's outcome so far, scored after the cube settled: nothing touched it at the start pose.
+        assert spin_until(executor, lambda: outcomes and outcomes[-1]["steps"] > 0, timeout=10.0), outcomes
+        last = outcomes[-1]
+        assert last["seed"] == 0 and last["sim_time_s"] >= 0.2
+        assert {k: last[k] for k in ("reached", "grasped", "lifted", "transferred")} == \
+            dict.fromkeys(("reached", "grasped", "lifted", "transferred"), False)
     finally:
         executor.shutdown()
         robot.destroy_node()
         probe.destroy_node()
+
+
+def test_outcome_tracker_keeps_phases_reached_and_transferred_only_when_it_holds():
+    pytest.importorskip("gym_aloha")
+    from oxygen_ros.tools.demo_data import SceneState
+    from oxygen_ros.tools.sim_robot import OutcomeTracker
+
+    def state(z, right=0, left=0, on_table=True, distance=0.2):
+        return SceneState(cube=np.array([0.1, 0.5, z]), right_fingers=right, left_fingers=left,
+                          on_table=on_table, right_distance=distance)
+
+    tracker = OutcomeTracker(seed=7, settle_s=0.2)
+    assert not tracker.update(state(0.05, right=2, distance=0.0), 0.1)      # still settling: ignored
+    assert tracker.steps == 0 and not any(tracker.outcome().values())
+    assert not tracker.update(state(0.02), 0.2)                             # rest height 0.02 m
+    assert tracker.update(state(0.02, distance=0.01), 0.22)                 # reached
+    assert tracker.update(state(0.02, right=2, distance=0.01), 0.24)        # grasped
+    assert tracker.update(state(0.08, right=2, on_table=False, distance=0.01), 0.26)   # lifted
+    assert tracker.update(state(0.08, left=2, on_table=False), 0.28)        # transferred
+    assert tracker.outcome() == dict(reached=True, grasped=True, lifted=True, transferred=True)
+    assert tracker.update(state(0.02), 0.30)                                # dropped: no longer transferred
+    message = json.loads(tracker.to_json())
+    assert message["transferred"] is False and message["lifted"] is True and message["seed"] == 7
+    assert message["steps"] == 6 and message["now"] == dict.fromkeys(message["now"], False)
 
 
 def test_wild_actions_keep_the_physics_stable():

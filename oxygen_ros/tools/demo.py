@@ -5,10 +5,13 @@ What runs:
       MuJoCo rendering never competes with inference for Python's GIL): cameras top, left_wrist,
       right_wrist rendered at ``--camera-rate`` each, 14 joint states at 50 Hz; it executes the action
       chunks;
-    * the oxygen node (``OxygenNode``, ``pi05_tiny`` on the CPU unless ``--preset`` / ``--checkpoint``
-      say otherwise) with the action task, a speech task (an utterance every ``--speech-every`` s) and
-      a memory task (an entry every ``--memory-every`` s), reusing the newest camera frames within
-      ``--staleness`` s;
+    * the oxygen node (``OxygenNode``) with the shipped demo policy (``pi05_demo`` trained in this
+      simulator, :func:`oxygen_ros.assets.demo_policy_dir`; docs/demo-policy.md) on the CPU: the action
+      task, a speech task that says the current subtask (an utterance every ``--speech-every`` s, published
+      on ``~/speech_text`` when it changes) and conditions the action prompt (π0.5's subtask loop), and a
+      memory task that captions the scene (an entry every ``--memory-every`` s), reusing the newest camera
+      frames within ``--staleness`` s. ``--random-weights`` runs the former configuration instead
+      (``pi05_tiny`` with random weights, language decoded from the action prompt's prefix);
     * a recorder (:mod:`oxygen_ros.tools.bag_recorder`) that writes every topic to
       ``runs/<timestamp>/bag`` (rosbag2, MCAP);
     * this process publishes the instruction (latched) and follows the outputs.
@@ -16,6 +19,7 @@ The node, the recorder and the follower share one multi-threaded executor in thi
 process is ended with this one in every case (SIGINT, SIGTERM, errors, and the kernel's parent-death
 signal if this process is killed). On a robot the same nodes come up with ``ros2 launch``.
 
+The robot publishes the task's outcome (reached, grasped, lifted, transferred) on ``/task_outcome``.
 Afterwards :mod:`oxygen_ros.tools.report` reads the bag back and prints the summary and writes
 ``timeline.png`` and ``contact_sheet.png`` next to it. Exit status 0 when action chunks flowed.
 
@@ -46,6 +50,7 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.signals import SignalHandlerOptions
 from std_msgs.msg import String
 
+from oxygen_ros.assets import demo_policy_dir
 from oxygen_ros.models.processing import ACTION_PROMPT
 from oxygen_ros.msg import ActionChunk, MemoryEntry, Speech
 from oxygen_ros.tools import sim_robot
@@ -55,10 +60,35 @@ NODE_NAME = "oxygen_node"
 # The simulated robot's cameras -> the model's camera slots (openpi's ALOHA image keys).
 CAMERA_SLOTS = dict(zip(sim_robot.CAMERAS, ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")))
 _PR_SET_PDEATHSIG = 1
+DEFAULT_SEED = 1000           # the cube's start pose: the first evaluation seed (the training data used 0..99)
+RANDOM_WEIGHTS = {"preset": "pi05_tiny", "checkpoint": "", "instruction": "pick up the red cube",
+                  "language_prompt": "shared", "control_rate": 3.0, "speech_every": 3.0}
+
+
+def policy_file(checkpoint: str) -> dict:
+    """``demo_policy.json`` of a checkpoint directory (prompts, instruction), or {} when absent."""
+    path = Path(checkpoint) / "demo_policy.json" if checkpoint else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else {}
+
+
+def label_tokens(preset: str) -> int:
+    """Decode budget for the demo policy's language: tokens of the longest subtask label or caption in
+    the preset's tokenizer, plus EOS (the evaluation's: :func:`oxygen_ros.tools.evaluate.label_tokens`)."""
+    from oxygen_ros.tools.evaluate import label_tokens as tokens
+
+    return tokens(preset)
 
 
 def node_parameters(args: argparse.Namespace) -> dict:
-    """The oxygen node's parameters for the simulated ALOHA robot (then ``--param`` overrides)."""
+    """The oxygen node's parameters for the simulated ALOHA robot (then ``--param`` overrides).
+
+    With a checkpoint that has a ``demo_policy.json`` (the shipped one; ``--language-prompt policy``):
+    ``conventions`` empty (the π0.5 defaults the policy was trained with), the speech and memory prompts it
+    was trained on, its instruction as ``default_instruction``, decode budgets of its longest label, and —
+    when it was trained with the subtask in the action prompt — π0.5's subtask loop: ``subtask_task``
+    speech, ``subtask_prompt_template`` its ``action_subtask_prompt``, ``speech.publish_on_change``.
+    """
+    policy = policy_file(args.checkpoint)
     params = {
         "preset": args.preset, "checkpoint": args.checkpoint, "device": args.device,
         "dtype": args.dtype,
@@ -77,7 +107,18 @@ def node_parameters(args: argparse.Namespace) -> dict:
         "speech.trigger.every_s": args.speech_every,
         "memory.trigger.every_s": args.memory_every,
     }
-    if args.language_prompt == "shared":
+    if args.language_prompt == "policy":
+        if "speech_prompt" not in policy:
+            raise SystemExit(f"--language-prompt policy: no demo_policy.json with prompts in {args.checkpoint!r}")
+        tokens = label_tokens(args.preset)
+        params.update({
+            "conventions": "", "default_instruction": policy["instruction"],
+            "speech.prompt_template": policy["speech_prompt"], "memory.prompt_template": policy["memory_prompt"],
+            "speech.max_new_tokens": tokens, "memory.max_new_tokens": tokens})
+        if policy.get("action_subtask_prompt") and policy.get("subtask_in_action_prompt", 0) > 0:
+            params.update({"subtask_task": "speech", "subtask_prompt_template": policy["action_subtask_prompt"],
+                           "speech.publish_on_change": True})
+    elif args.language_prompt == "shared":
         # Speech and memory read the action task's prefix KV: one prefill per frame serves all three tasks
         # (the unified cache's sharing at its best; what makes the CPU demo meet its rates).
         params["speech.prompt_template"] = params["memory.prompt_template"] = ACTION_PROMPT
@@ -181,26 +222,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="with --min-outputs: stop this many s after the first action chunk "
                              "whatever arrived [s] (default 600)")
     parser.add_argument("--output", type=Path, default=None, help="run directory (default runs/<timestamp>)")
-    parser.add_argument("--preset", default="pi05_tiny", help="model preset (default pi05_tiny)")
-    parser.add_argument("--checkpoint", default="", help="local checkpoint directory (default: random weights)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="the untrained configuration: pi05_tiny with random weights, language from the "
+                             "action prompt's prefix, instruction 'pick up the red cube', 3 chunks/s")
+    parser.add_argument("--preset", default=None, help="model preset (default pi05_demo, the shipped policy's)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="local checkpoint directory (default: the shipped demo policy, "
+                             "oxygen_ros/assets/demo_policy; '' = random weights)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="weights' dtype (float32: the tiny preset's cycle is faster in float32 on CPUs)")
-    parser.add_argument("--language-prompt", choices=("shared", "model"), default="shared",
-                        help="shared: speech and memory decode from the action prompt's prefix (one prefill "
-                             "per frame); model: the model's own language prompt (a prefill per request; "
-                             "use with a real checkpoint, whose language head was trained on it)")
-    parser.add_argument("--instruction", default="pick up the red cube")
-    parser.add_argument("--control-rate", type=float, default=3.0, help="action chunks per second [Hz]")
+    parser.add_argument("--language-prompt", choices=("policy", "shared", "model"), default=None,
+                        help="policy (default with a checkpoint that has demo_policy.json): its trained speech "
+                             "and memory prompts and the subtask loop; shared (default otherwise): speech and "
+                             "memory decode from the action prompt's prefix (one prefill per frame); model: "
+                             "the model's own language prompt (a prefill per request; use with a real "
+                             "checkpoint, whose language head was trained on it)")
+    parser.add_argument("--instruction", default=None,
+                        help="the instruction published to the node (default: the policy's, "
+                             "'transfer the cube to the left arm'; with --random-weights 'pick up the red cube')")
+    parser.add_argument("--control-rate", type=float, default=None,
+                        help="action chunks per second [Hz] (default 4; 3 with --random-weights)")
     parser.add_argument("--camera-rate", type=float, default=1.0, help="images per second per camera [Hz]")
     parser.add_argument("--staleness", type=float, default=1.5,
                         help="the node reuses camera frames up to this age [s]")
-    parser.add_argument("--speech-every", type=float, default=3.0, help="an utterance every this many s")
+    parser.add_argument("--speech-every", type=float, default=None,
+                        help="an utterance every this many s (default 1; 3 with --random-weights)")
     parser.add_argument("--memory-every", type=float, default=2.0, help="a memory entry every this many s")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the cube's start pose")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                        help=f"seed of the cube's start pose (gym-aloha's sample_box_pose; default {DEFAULT_SEED}, "
+                             "so runs are comparable; e.g. --seed $RANDOM for a fresh pose)")
     parser.add_argument("--param", action="append", default=[], metavar="NAME:=VALUE",
                         help="any oxygen node parameter (repeatable), e.g. --param dtype:=bfloat16")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    defaults = dict(RANDOM_WEIGHTS) if args.random_weights else {
+        "preset": "pi05_demo", "checkpoint": str(demo_policy_dir()), "instruction": None,
+        "language_prompt": None, "control_rate": 4.0, "speech_every": 1.0}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    policy = policy_file(args.checkpoint)
+    if args.language_prompt is None:
+        args.language_prompt = "policy" if "speech_prompt" in policy else "shared"
+    if args.instruction is None:
+        args.instruction = policy.get("instruction", RANDOM_WEIGHTS["instruction"])
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ images only at the rendered steps (``/observations/image_steps`` [N] gives their
 labels as UTF-8 strings (``/subtask`` [T], ``/caption`` [T]), the simulator's phase flags per step
 (``/phases`` [T, 4]: reached, grasped, lifted, transferred) and the episode's outcome as attributes.
 
-Command line: ``python -m oxygen_ros.tools.demo_data --episodes 50 --out runs/demo-data`` (``--help``).
+Command line: ``python -m oxygen_ros.tools.demo_data --episodes 100 --out runs/demo-data`` (``--help``).
 """
 
 from __future__ import annotations
@@ -704,7 +704,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m oxygen_ros.tools.demo_data",
                                      description="Scripted transfer-cube demonstrations in gym-aloha's scene "
                                                  "(per-episode HDF5, ALOHA/ACT layout).")
-    parser.add_argument("--episodes", type=int, default=50, help="number of episodes (default 50)")
+    parser.add_argument("--episodes", type=int, default=100,
+                        help="number of episodes (default 100, the shipped demo policy's data)")
     parser.add_argument("--seed", type=int, default=0, help="cube seed of the first episode (default 0)")
     parser.add_argument("--out", type=Path, default=Path("runs/demo-data"), help="output directory (default runs/demo-data)")
     parser.add_argument("--image-every", type=int, default=5,

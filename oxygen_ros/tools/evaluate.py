@@ -160,6 +160,7 @@ class EpisodeSim:
         self.scene.step(SETTLE_S)
         self.rest_height = float(self._state().cube[2])
         self.flags: list[list[bool]] = []
+        self.right_distance: list[float] = []   # per step: right grasp point to cube centre [m]
         self.observed: list[Observed] = []
         self.sheet: list[tuple[float, np.ndarray, int, list[bool]]] = []    # (t after settle, top image, gt, flags)
 
@@ -197,11 +198,14 @@ class EpisodeSim:
         """One control step of 20 ms with ``action`` (float [14], JOINTS order) as the position targets."""
         self.scene.set_action(action)
         self.scene.step(DT)
-        self.flags.append([bool(f) for f in phase_flags(self._state(), self.rest_height)])
+        state = self._state()
+        self.flags.append([bool(f) for f in phase_flags(state, self.rest_height)])
+        self.right_distance.append(round(float(state.right_distance), 6))
 
     def trace(self) -> dict:
         """The episode's record: phase flags per step, observations, sheet frames (images as lists)."""
         return {"seed": self.seed, "rest_height": self.rest_height, "flags": self.flags,
+                "right_distance": self.right_distance,
                 "final_position": self.scene.joint_state()[0].tolist(),
                 "observed": [dataclasses.asdict(o) for o in self.observed],
                 "resets": self.scene.resets}

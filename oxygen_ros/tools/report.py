@@ -5,8 +5,10 @@ MCAP of every topic) and ``engine_cycles.json`` (the engine's per-cycle ``CycleR
 node publishes only windowed aggregates, so the demo copies them from the in-process engine). This
 module reads them back with ``rosbags`` (which also proves the bag readable) and writes:
 
-* ``summary.json`` — the figures :func:`format_summary` prints: action chunks and their rate, speech
-  utterances with their text, memory entries, tokens/s, deadline misses, dropped frames, peak KV pool;
+* ``summary.json`` — the figures :func:`format_summary` prints: the task's outcome (the simulated robot's
+  last ``/task_outcome``: reached, grasped, lifted, transferred), action chunks and their rate, speech
+  utterances with their text and the subtasks spoken (``~/speech_text`` in order, repeats collapsed),
+  memory entries and their captions, tokens/s, deadline misses, dropped frames, peak KV pool;
 * ``timeline.png`` — per control cycle the encode / prefill / denoise / decode times, and below it each
   language request's life across frames (trigger frame → final frame, a dot per frame that streamed
   text);
@@ -49,6 +51,8 @@ class RunData:
     chunks: list[dict] = field(default_factory=list)      # t, seq, stamp_ns, latency_s, actions [H, D]
     speech: list[dict] = field(default_factory=list)      # t, id, sequence, final, status, text, stamp_ns
     memory: list[dict] = field(default_factory=list)      # t, id, text, stamp_ns, embedding_dim
+    speech_text: list[str] = field(default_factory=list)  # ~/speech_text messages, in order
+    outcomes: list[dict] = field(default_factory=list)    # /task_outcome JSON messages, in order
     statuses: list = field(default_factory=list)          # EngineStatus messages (rosbags objects)
     frames: dict[str, list[tuple[int, np.ndarray]]] = field(default_factory=dict)  # topic -> (stamp_ns, rgb)
     cycles: list[dict] = field(default_factory=list)      # engine CycleRecord dicts
@@ -57,7 +61,9 @@ class RunData:
 
 
 _REPORTED = ("oxygen_ros/msg/ActionChunk", "oxygen_ros/msg/Speech", "oxygen_ros/msg/MemoryEntry",
-             "oxygen_ros/msg/EngineStatus", "sensor_msgs/msg/Image")
+             "oxygen_ros/msg/EngineStatus", "sensor_msgs/msg/Image", "std_msgs/msg/String")
+OUTCOME_TOPIC = "/task_outcome"      # the simulated robot's (sim_robot.OUTCOME_TOPIC, at the root namespace)
+PHASES = ("reached", "grasped", "lifted", "transferred")
 
 
 def _read_rosbag2(bag: Path):
@@ -154,6 +160,16 @@ def load_run(run_dir: Path | str) -> RunData:
                                 "stamp_ns": _stamp_ns(msg.header), "embedding_dim": len(msg.embedding)})
         elif kind.endswith("EngineStatus"):
             data.statuses.append(msg)
+        elif kind.endswith("String"):
+            if topic == OUTCOME_TOPIC:
+                try:
+                    outcome = json.loads(msg.data)
+                except ValueError:
+                    continue        # not ours: a foreign publisher on the topic
+                if isinstance(outcome, dict):
+                    data.outcomes.append(outcome)
+            elif topic.endswith("/speech_text"):
+                data.speech_text.append(msg.data)
         elif msg.encoding == "rgb8" and msg.step == msg.width * 3:
             pixels = np.asarray(msg.data, dtype=np.uint8).reshape(msg.height, msg.width, 3)
             data.frames.setdefault(topic, []).append((_stamp_ns(msg.header), pixels[::2, ::2]))
@@ -161,6 +177,15 @@ def load_run(run_dir: Path | str) -> RunData:
     if cycles_file.is_file():
         data.cycles = json.loads(cycles_file.read_text())
     return data
+
+
+def _collapse(texts: list[str]) -> list[str]:
+    """``texts`` stripped, blanks dropped, consecutive repeats collapsed (the order kept)."""
+    out: list[str] = []
+    for text in (t.strip() for t in texts):
+        if text and (not out or out[-1] != text):
+            out.append(text)
+    return out
 
 
 def summarize(data: RunData) -> dict:
@@ -194,6 +219,9 @@ def summarize(data: RunData) -> dict:
         "memory_entries": len(data.memory),
         "memory_entries_per_10s": per_10s(len(data.memory)),
         "memory_texts": [m["text"] for m in data.memory],
+        "memory_captions": _collapse([m["text"] for m in data.memory]),
+        "subtasks_spoken": _collapse(data.speech_text),
+        "task_outcome": data.outcomes[-1] if data.outcomes else None,
         # tokens over engine busy time (the engine's definition) and over wall time.
         "tokens_per_s_engine": total_tokens / busy if busy > 0 else (last.tokens_per_second if last else None),
         "tokens_per_s_wall": total_tokens / span if span > 0 and data.cycles else None,
@@ -218,8 +246,13 @@ def format_summary(summary: dict) -> str:
     pool = (f"{peak / 2**20:.2f} MiB of {capacity / 2**20:.0f} MiB ({100 * peak / capacity:.1f} %)"
             if peak is not None and capacity else "n/a")
     phases = ", ".join(f"{name} {num(value, '.1f')}" for name, value in summary["phase_mean_ms"].items())
+    outcome = summary.get("task_outcome")
+    task = ("n/a (no /task_outcome in the bag)" if not outcome else
+            " ".join(f"{phase} {'✓' if outcome.get(phase) else '✗'}" for phase in PHASES)
+            + f"  (cube seed {outcome.get('seed')}, {num(outcome.get('sim_time_s'), '.1f')} s simulated)")
     lines = [
         "==== oxygen_ros demo summary ====",
+        f"task               {task}",
         f"action chunks      {summary['action_chunks']} in {num(summary['active_span_s'], '.1f')} s: "
         f"{num(summary['action_chunks_per_s'])} chunks/s (H = {summary['action_horizon']}: "
         f"{num(summary['action_rate_hz'], '.1f')} actions/s), mean inference latency "
@@ -229,10 +262,18 @@ def format_summary(summary: dict) -> str:
         f"({', '.join(f'{k} {v}' for k, v in summary['speech_by_status'].items())}); "
         f"{num(summary['speech_completed_per_10s'], '.1f')} completed per 10 s",
     ]
-    lines += [f"                     “{text}”" for text in summary["speech_texts"][:5]]
+    spoken = summary.get("subtasks_spoken") or []
+    if spoken:
+        lines.append(f"subtasks spoken    {len(spoken)} (~/speech_text in order, repeats collapsed):")
+        lines += [f"                     “{text}”" for text in spoken[:8]]
+        if len(spoken) > 8:
+            lines.append(f"                     ... {len(spoken) - 8} more")
+    else:
+        lines += [f"                     “{text}”" for text in summary["speech_texts"][:5]]
     lines.append(f"memory entries     {summary['memory_entries']} "
                  f"({num(summary['memory_entries_per_10s'], '.1f')} per 10 s)")
-    lines += [f"                     “{text}”" for text in summary["memory_texts"][:3]]
+    captions = summary.get("memory_captions") or summary["memory_texts"]
+    lines += [f"                     “{text}”" for text in captions[:5]]
     lines += [
         f"tokens/s           {num(summary['tokens_per_s_engine'], '.1f')} over engine time, "
         f"{num(summary['tokens_per_s_wall'], '.1f')} over wall time",

@@ -19,7 +19,14 @@ arms, a red cube on the table). The node behaves like the real robot's drivers:
   ``MIN_TRAVERSE_S``), so that jumps between chunks (random weights) cannot destabilise the physics. The
   physics runs in real time (2 ms MuJoCo steps, ``control_period_s`` per action). Should it still go
   unstable (NaN / Inf / huge accelerations), the scene is reset to the start pose and the reset counted
-  (``AlohaScene.resets``, logged); MuJoCo's warnings go to the ROS log, not to ``MUJOCO_LOG.TXT``.
+  (``AlohaScene.resets``, logged); MuJoCo's warnings go to the ROS log, not to ``MUJOCO_LOG.TXT``;
+* tracks the task's phases after every control step (:func:`oxygen_ros.tools.demo_data.phase_flags`:
+  reached, grasped, lifted, transferred; from 0.2 s on, once the cube has settled) and publishes the
+  outcome so far on ``task_outcome`` (``std_msgs/String``, JSON, reliable and transient local, so the last
+  one reaches late joiners and the recorder): ``{"seed", "sim_time_s", "steps", "reached", "grasped",
+  "lifted", "transferred", "now": {phase: bool}}`` — a phase is true once it held at some step, except
+  ``transferred``, which is whether it holds now (the data's and the evaluation's definitions). Published
+  when the outcome or the current flags change, and once per second.
 
 Rendering needs an OpenGL: ``MUJOCO_GL=osmesa`` (set here when unset; ``libosmesa6``, installed by
 ``scripts/setup_env.sh``). Command line: ``python -m oxygen_ros.tools.sim_robot [--ros-args ...]``.
@@ -33,6 +40,7 @@ import os
 os.environ.setdefault("MUJOCO_GL", "osmesa")
 os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
 
+import json  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
@@ -47,9 +55,12 @@ from rclpy._rclpy_pybind11 import RCLError  # noqa: E402
 from rclpy.executors import ExternalShutdownException  # noqa: E402
 from rclpy.node import Node  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy  # noqa: E402
 from sensor_msgs.msg import Image, JointState  # noqa: E402
+from std_msgs.msg import String  # noqa: E402
 
 from oxygen_ros.msg import ActionChunk  # noqa: E402
+from oxygen_ros.tools import demo_data  # noqa: E402
 
 SCENE = ASSETS_DIR / "bimanual_viperx_transfer_cube.xml"
 CAMERAS = ("top", "left_wrist", "right_wrist")
@@ -58,6 +69,47 @@ _ARM_QPOS = (slice(0, 6), slice(8, 14))
 _FINGER_QPOS = (6, 14)
 _GRIPPER_INDEX = (6, 13)  # in the 14-vector of JOINTS
 MIN_TRAVERSE_S = 1.0      # an actuator's target crosses its whole control range in no less than this [s]
+OUTCOME_TOPIC = "task_outcome"
+
+
+class OutcomeTracker:
+    """The task's phases over an episode (demo_data's definitions), from the simulator state after each
+    control step. The cube's rest height is read at the first update at or after ``settle_s`` of sim time;
+    earlier updates are ignored (the cube is still dropping onto the table)."""
+
+    def __init__(self, seed: int, settle_s: float = demo_data._SETTLE_S):
+        self.seed = seed
+        self.settle_s = settle_s
+        self.rest_height: float | None = None
+        self.steps = 0
+        self.sim_time_s = 0.0
+        self.ever = np.zeros(len(demo_data.PHASES), bool)
+        self.now = np.zeros(len(demo_data.PHASES), bool)
+
+    def update(self, state: "demo_data.SceneState", sim_time_s: float) -> bool:
+        """Fold in the state after a control step; True when the outcome or the current flags changed."""
+        if sim_time_s < self.settle_s - 1e-9:
+            return False
+        if self.rest_height is None:
+            self.rest_height = float(state.cube[2])
+        flags = np.asarray(demo_data.phase_flags(state, self.rest_height), bool)
+        before = (self.ever.copy(), self.now.copy())
+        self.ever |= flags
+        self.now = flags
+        self.steps += 1
+        self.sim_time_s = sim_time_s
+        return not (np.array_equal(before[0], self.ever) and np.array_equal(before[1], self.now))
+
+    def outcome(self) -> dict[str, bool]:
+        """Per phase: held at some step; ``transferred``: holds now."""
+        result = dict(zip(demo_data.PHASES, map(bool, self.ever)))
+        result["transferred"] = bool(self.now[demo_data.PHASES.index("transferred")])
+        return result
+
+    def to_json(self) -> str:
+        """The message's JSON (see the module docstring)."""
+        return json.dumps({"seed": self.seed, "sim_time_s": round(self.sim_time_s, 3), "steps": self.steps,
+                           **self.outcome(), "now": dict(zip(demo_data.PHASES, map(bool, self.now)))})
 
 
 class AlohaScene:
@@ -227,6 +279,11 @@ class SimRobot(Node):
                                                           qos_profile_sensor_data)
                             for camera in CAMERAS}
         self._joint_pub = self.create_publisher(JointState, "joint_states", 10)
+        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self._outcome_pub = self.create_publisher(String, OUTCOME_TOPIC, latched)
+        self.outcome = OutcomeTracker(seed)
+        self._geoms = demo_data._Geoms(self.scene.model)
         self.create_subscription(ActionChunk, chunk_topic, self._on_chunk, 10)
 
         self._chunk: tuple[float, float, np.ndarray] | None = None  # (stamp [s], dt [s], [H, 14])
@@ -278,7 +335,7 @@ class SimRobot(Node):
     def _physics_loop(self) -> None:
         period = self.control_period_s
         joint_period = 1.0 / self.joint_state_rate_hz
-        next_tick = next_joint = time.monotonic()
+        next_tick = next_joint = next_outcome = time.monotonic()
         while not self._stop.is_set():
             action = self._current_action(self._now_s())
             if action is not None:
@@ -289,7 +346,13 @@ class SimRobot(Node):
                     self._chunk = None      # do not drive straight back into the same state
                 self.get_logger().warning(f"the physics went unstable: scene reset to the start pose "
                                           f"({self.scene.resets} resets so far)", throttle_duration_sec=5.0)
+            state = self.scene.read(lambda model, data: demo_data.scene_state(model, data, self._geoms))
             now = time.monotonic()
+            if self.outcome.update(state, self.scene.sim_time) or now >= next_outcome:
+                message = String(data=self.outcome.to_json())
+                if not self._publish(lambda: self._outcome_pub.publish(message)):
+                    return
+                next_outcome = now + 1.0
             if now >= next_joint:
                 if not self._publish(self._publish_joint_state):
                     return

@@ -68,21 +68,21 @@ class TrainConfig:
     data: Path
     out: Path = Path("runs/train-demo")
     preset: str = "pi05_demo"
-    steps: int = 1200
+    steps: int = 3000
     batch_size: int = 16
     lr: float = 5e-4
     warmup: int = 100
     weight_decay: float = 1e-4
     grad_clip: float = 1.0
     text_weight: float = 1.0
-    subtask_in_action_prompt: float = 0.0
+    subtask_in_action_prompt: float = 0.5
     image_stride: int = 1
     val_episodes: int = 2
     eval_samples: int = 16
     seed: int = 0
     device: str = "cpu"
     log_every: int = 10
-    save_every: int = 200
+    save_every: int = 250
     progress: bool = True
 
 
@@ -436,6 +436,7 @@ def train(config: TrainConfig) -> dict:
         "seconds": round(seconds, 1), "seconds_per_step": round(seconds / max(1, config.steps), 4),
         "final": history[-1] if history else None, "evaluation": evaluation, "history": history}
     directory = write_checkpoint(model, processor, config.out, {
+        "subtask_in_action_prompt": config.subtask_in_action_prompt,
         "training": {k: summary[k] for k in ("episodes", "train_samples", "parameters", "seconds",
                                              "seconds_per_step", "final", "evaluation")}})
     summary["checkpoint"] = str(directory)
@@ -458,7 +459,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--text-weight", type=float, default=d.text_weight,
                         help="weight of the cross-entropy against the flow-matching loss (default 1)")
     parser.add_argument("--subtask-in-action-prompt", type=float, default=d.subtask_in_action_prompt,
-                        help="fraction of action samples whose prompt carries the subtask (default 0)")
+                        help="fraction of action samples whose prompt carries the subtask "
+                             f"(default {d.subtask_in_action_prompt})")
     parser.add_argument("--image-stride", type=int, default=d.image_stride,
                         help="use every N-th rendered image step (default 1: all)")
     parser.add_argument("--val-episodes", type=int, default=d.val_episodes,
