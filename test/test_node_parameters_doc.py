@@ -68,6 +68,10 @@ def test_parameter_values_reach_the_engine_config_at_their_field():
             value = not default
         elif knob.choices:
             value = next(c for c in knob.choices if c != default)
+        elif name == "subtask_task":        # a language task's name (the subtask loop's source)
+            value = "speech"
+        elif name == "subtask_prompt_template":
+            value = "Say: {instruction}, {subtask}"
         elif isinstance(default, str):
             value = "Say: {instruction}"
         elif default != knob.high:

@@ -39,11 +39,13 @@ class ActionWork:
         self._io = io
         self._shape = (1, horizon, action_dim)
 
-    def run(self, obs: Observation, job: PrefixJob, t0: float, meter: CycleMeter) -> ActionChunk:
+    def run(self, obs: Observation, job: PrefixJob, t0: float, meter: CycleMeter,
+            subtask: str | None = None) -> ActionChunk:
         """Prefill (or find) the action prefix of ``job``, denoise from noise seeded by
         ``noise_seed + obs.seq`` (so a frame's chunk is reproducible), post-process.
 
-        ``t0``: ``time.perf_counter()`` instant the cycle started (the chunk's ``latency_s`` counts from it).
+        ``t0``: ``time.perf_counter()`` instant the cycle started (the chunk's ``latency_s`` counts from it);
+        ``subtask``: the subtask in ``job``'s prompt (recorded on the chunk), None for the plain prompt.
         Returns the chunk in the robot's units ``[H, robot action dim]`` with ``obs``'s seq, stamp and tag.
         """
         node = self._planner.nodes([job], meter)[0]
@@ -51,7 +53,7 @@ class ActionWork:
         with meter.phase("denoise_s"):
             actions = self._runner.denoise(node.seq, noise, self._config.num_denoise_steps,
                                            self._io.state_tensor(obs.state))
-        return self.finish(obs, actions[0], t0)
+        return self.finish(obs, actions[0], t0, subtask, tuple(job.prompt_ids))
 
     def noise(self, obs: Observation) -> torch.Tensor:
         """The flow-matching noise ``[1, H, action_dim]`` of ``obs``: standard normal from a generator
@@ -59,8 +61,10 @@ class ActionWork:
         generator = torch.Generator().manual_seed(self._config.noise_seed + obs.seq)
         return torch.randn(self._shape, generator=generator)
 
-    def finish(self, obs: Observation, actions: torch.Tensor, t0: float) -> ActionChunk:
+    def finish(self, obs: Observation, actions: torch.Tensor, t0: float, subtask: str | None = None,
+               prompt_ids: tuple[int, ...] = ()) -> ActionChunk:
         """The chunk of ``obs`` from the model's actions ``[H, action_dim]`` (post-processed into the
-        robot's units), its latency counted from ``t0``."""
+        robot's units), its latency counted from ``t0``; ``subtask`` and ``prompt_ids``: the action
+        prompt's subtask (None: plain prompt) and token ids, recorded on the chunk."""
         return ActionChunk(self._io.actions_out(actions, obs.state), obs.seq, obs.stamp,
-                           time.perf_counter() - t0, obs.tag)
+                           time.perf_counter() - t0, obs.tag, subtask, prompt_ids)

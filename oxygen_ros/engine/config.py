@@ -20,6 +20,8 @@ Tasks are declared as data (a dict or a YAML file), never in code::
       prompt_template: "Task: {instruction}, State: {state};\\nAction: "
       control_rate_hz: 2.0
       num_denoise_steps: 10
+      # subtask_task: speech      # pi0.5's subtask loop (docs/architecture.md); empty = off
+      # subtask_prompt_template: "Task: {instruction}, Subtask: {subtask}, State: {state};\\nAction: "
     language_tasks:
       - name: speech
         prompt_template: "Task: {instruction}, State: {state};\\nAction: "
@@ -225,10 +227,25 @@ class ActionTaskConfig:
                                   low=1, high=100)
     noise_seed: int = knob(0, "the noise of observation seq is drawn from a torch.Generator seeded with "
                            "noise_seed + seq (the same noise in every engine mode)", low=0, high=2**31 - 1)
+    subtask_task: str = knob("", "pi0.5's subtask loop: the speech-kind language task whose latest subtask (the "
+                             "text of its latest request that ended on a stop token) fills {subtask} of "
+                             "subtask_prompt_template; empty = off (the action prompt never has a subtask)")
+    subtask_prompt_template: str = knob(
+        "", "the action prompt once subtask_task has given a subtask: {instruction}, {subtask} and optionally "
+        "{state} (the demo policy: \"Task: {instruction}, Subtask: {subtask}, State: {state};\\nAction: \"); "
+        "before a subtask, and after a new instruction, the action prompt is the family's")
 
     def __post_init__(self) -> None:
         if "{instruction}" not in self.prompt_template:
             raise ValueError("action.prompt_template must contain {instruction}")
+        if self.subtask_task and not self.subtask_prompt_template:
+            raise ValueError(f"action.subtask_task is {self.subtask_task!r} but action.subtask_prompt_template is "
+                             "empty: give the action prompt with {subtask} used once a subtask exists")
+        if self.subtask_prompt_template:
+            missing = [f for f in ("{instruction}", "{subtask}") if f not in self.subtask_prompt_template]
+            if missing:
+                raise ValueError(f"action.subtask_prompt_template must contain {' and '.join(missing)}, got "
+                                 f"{self.subtask_prompt_template!r}")
         _validate(self, "action.")
 
     @property
@@ -358,6 +375,15 @@ class EngineConfig:
         names = [t.name for t in self.language_tasks]
         if len(set(names)) != len(names):
             raise ValueError(f"language task names must be unique, got {names}")
+        source = self.action.subtask_task
+        if source:
+            if source not in names:
+                raise ValueError(f"action.subtask_task: no language task named {source!r} (language tasks: "
+                                 f"{names}); name an enabled speech-kind task or leave it empty")
+            if self.task(source).kind != "speech":
+                raise ValueError(f"action.subtask_task: {source!r} is a {self.task(source).kind} task; the "
+                                 "subtask comes from a speech-kind task (a memory task's captions are not "
+                                 "subtasks)")
 
     @property
     def kv_budget_bytes(self) -> int:

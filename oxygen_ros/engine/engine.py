@@ -5,7 +5,9 @@ A cycle (:meth:`Engine.run_cycle`), after OxyGen (arXiv 2603.14371) with a deadl
 1. observe: cross-thread cancellations apply (``inbox.py``), triggers fire (``triggers.py``), a new
    instruction cancels the requests of tasks with ``cancel_on_new_instruction`` (here only);
 2. act: one vision call for the cameras, the action prefix prefilled or found in the cycle's prefix
-   tree (``prefix_cache.py``), denoising (``action.py``); the :class:`ActionChunk` is handed out at once;
+   tree (``prefix_cache.py``), denoising (``action.py``); the :class:`ActionChunk` is handed out at once.
+   With π0.5's subtask loop (``action.subtask_task``) the action prompt carries the robot's latest
+   subtask, the text of the source task's latest request that completed on a stop token (``subtask.py``);
 3. admit: the scheduler admits waiting language requests (``scheduler.py``: page reservation,
    priority, preemption); their prefixes are prefilled in one batched call per tree level;
 4. decode within the budget: batched decode steps of every running request of every frame, as the
@@ -37,6 +39,7 @@ from oxygen_ros.engine.outputs import CycleResult, OutputAssembler, memory_entri
 from oxygen_ros.engine.prefix_cache import PrefixJob
 from oxygen_ros.engine.request import Request, new_request_id
 from oxygen_ros.engine.scheduler import Scheduler, StepCostEstimator
+from oxygen_ros.engine.subtask import SubtaskState
 from oxygen_ros.engine.triggers import Triggers
 from oxygen_ros.engine.types import ActionChunk, MemoryEntry, Observation, RequestStatus, TextEvent
 
@@ -44,13 +47,15 @@ from oxygen_ros.engine.types import ActionChunk, MemoryEntry, Observation, Reque
 @dataclass
 class Frame:
     """What a cycle's observe step read from one observation: the present cameras' ``images`` and
-    their ``mask``, the action prompt's token ids and the language ``requests`` it starts."""
+    their ``mask``, the action prompt's token ids, the language ``requests`` it starts and the
+    ``subtask`` in the action prompt (None: the plain prompt)."""
 
     obs: Observation
     images: list[np.ndarray]
     mask: tuple[bool, ...]
     action_ids: tuple[int, ...]
     requests: list[Request]
+    subtask: str | None = None
 
 
 class Engine:
@@ -102,6 +107,8 @@ class Engine:
         self._triggers = Triggers(config.language_tasks)
         self._action = ActionWork(config.action, self._planner, self._runner, processor,
                                   cfg.action_horizon, cfg.action_dim)
+        # The robot's latest subtask (pi0.5's subtask loop, action.subtask_task; inert when off).
+        self._subtask = SubtaskState(config.action, cfg.eos_token_id)
 
     @property
     def pool(self) -> BlockPool:
@@ -112,6 +119,11 @@ class Engine:
     def counters(self) -> WorkCounters:
         """Cumulative model work (vision calls, prefilled tokens, decode steps)."""
         return self._runner.counters
+
+    @property
+    def subtask(self) -> SubtaskState:
+        """The robot's latest subtask and the loop's counters (``subtask.py``)."""
+        return self._subtask
 
     @property
     def active_requests(self) -> list[Request]:
@@ -245,7 +257,7 @@ class Engine:
         # act: encode, prefill, denoise, hand out
         features = self._work.encode(frame.images)
         chunk = self._act(obs, self._mode.action_job(obs, frame.mask, frame.action_ids, features,
-                                                     frame.requests), t0)
+                                                     frame.requests), t0, frame.subtask)
         if on_action is not None:
             on_action(chunk)
         # admit, then decode within the budget
@@ -263,17 +275,22 @@ class Engine:
 
     def _observe(self, obs: Observation, t0: float) -> Frame:
         """A cycle's observe step: cross-thread cancellations, camera images, triggers (a new
-        instruction cancels what it must), the action prompt and the requests ``obs`` starts.
-        Raises ValueError as :meth:`run_cycle`."""
+        instruction cancels what it must), the action prompt (with the robot's subtask when its loop
+        is on) and the requests ``obs`` starts. Raises ValueError as :meth:`run_cycle`."""
         self._inbox.apply()
         images, mask = self._inputs.camera_images(obs)
         fired, new_instruction = self._triggers.observe(obs)
         if new_instruction:
+            self._subtask.new_instruction(obs.instruction)
             self._inbox.cancel_requests([r for r in self._scheduler.active
                                          if r.task.cancel_on_new_instruction])
-        action_ids = self._inputs.prompt_ids(self.config.action.prompt_template, obs)
+        if self._subtask.enabled:
+            action_ids, subtask = self._subtask.action_prompt(
+                lambda template: self._inputs.prompt_ids(template, obs))
+        else:
+            action_ids, subtask = self._inputs.prompt_ids(self.config.action.prompt_template, obs), None
         requests = self._inputs.requests(obs, mask, fired, self._inbox, t0)
-        return Frame(obs, images, mask, action_ids, requests)
+        return Frame(obs, images, mask, action_ids, requests, subtask)
 
     def _enqueue(self, frame: Frame, features) -> None:
         """Queue the frame's new requests (with the inputs they keep until prefilled)."""
@@ -282,8 +299,8 @@ class Engine:
             self._scheduler.add(request)
         self._inbox.queued([request.request_id for request in frame.requests])
 
-    def _act(self, obs: Observation, job: PrefixJob, t0: float) -> ActionChunk:
-        chunk = self._action.run(obs, job, t0, self._work.meter)
+    def _act(self, obs: Observation, job: PrefixJob, t0: float, subtask: str | None = None) -> ActionChunk:
+        chunk = self._action.run(obs, job, t0, self._work.meter, subtask)
         self._mode.action_done()
         return chunk
 
@@ -291,7 +308,9 @@ class Engine:
         return CycleMeter(self._pool, estimator or self._estimator, self._runner.counters)
 
     def _report_ended(self) -> None:
-        self._outputs.ended(self._scheduler.drain_ended())
+        ended = self._scheduler.drain_ended()
+        self._outputs.ended(ended)
+        self._subtask.ended(ended)     # after ended(): the requests' text is complete
 
     def _take(self) -> tuple[list[TextEvent], list[MemoryEntry]]:
         events = self._outputs.take()

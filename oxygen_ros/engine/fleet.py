@@ -4,7 +4,8 @@ A :class:`Fleet` serves R robots from one model instance. Each robot is a *lane*
 :class:`~oxygen_ros.engine.engine.Engine` built on the fleet's shared
 :class:`~oxygen_ros.engine.core.EngineCore`, with its own id, camera slots, checkpoint-family
 processing (:class:`~oxygen_ros.engine.model_io.ModelIO`), action task and control period, language
-tasks and triggers, inbox (``submit`` / ``cancel``), outputs and metrics, and its own share of the KV
+tasks and triggers, π0.5 subtask state (``subtask.py``: the ``{subtask}`` of its action prompt is its
+own latest subtask), inbox (``submit`` / ``cancel``), outputs and metrics, and its own share of the KV
 pool (its ``kv_budget_mb``) in which its requests are admitted, preempted and charged exactly as in a
 single-robot engine. One :meth:`Fleet.run_cycle` serves every robot with a fresh observation:
 
@@ -392,8 +393,10 @@ class Fleet:
                                            None if stateless else [states[r] for r in members])
                 actions.update(zip(members, out))
         chunks = {}
-        for robot, lane in zip(robots, lanes):
-            chunk = chunks[robot] = lane._action.finish(frames[robot].obs, actions[robot], t0)
+        for robot, lane, job in zip(robots, lanes, jobs):
+            frame = frames[robot]
+            chunk = chunks[robot] = lane._action.finish(frame.obs, actions[robot], t0, frame.subtask,
+                                                        tuple(job.prompt_ids))
             lane._mode.action_done()
             if on_action is not None:
                 on_action(robot, chunk)

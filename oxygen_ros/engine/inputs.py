@@ -29,6 +29,7 @@ class ObservationReader:
                  image_tokens_per_camera: int, robot: Hashable = None):
         self._robot = robot
         self._slots = tuple(config.camera_slots)
+        self._tasks = {task.name: task for task in config.language_tasks}
         self._io = io
         self._max_prompt_tokens = max_prompt_tokens
         self._tokens_per_camera = image_tokens_per_camera
@@ -70,7 +71,8 @@ class ObservationReader:
         submission's ends that submission only, as ``dropped``."""
         image_tokens = sum(mask) * self._tokens_per_camera
         requests = [Request(task, obs.seq, obs.stamp, self.prompt_ids(task.prompt_template, obs),
-                            image_tokens, mask, t_arrival, tag=obs.tag, robot=self._robot)
+                            image_tokens, mask, t_arrival, tag=obs.tag, instruction=obs.instruction,
+                            robot=self._robot)
                     for task in fired]
         for submission in inbox.take():
             try:
@@ -78,7 +80,10 @@ class ObservationReader:
             except ValueError:
                 inbox.end_unstarted(submission, RequestStatus.DROPPED, obs)
                 continue
+            instruction = obs.instruction if submission.instruction is None else submission.instruction
+            own = instruction == obs.instruction and \
+                submission.task.prompt_template == self._tasks[submission.task.name].prompt_template
             requests.append(Request(submission.task, obs.seq, obs.stamp, list(ids), image_tokens,
                                     mask, t_arrival, request_id=submission.request_id, tag=obs.tag,
-                                    robot=self._robot))
+                                    instruction=instruction, subtask_source=own, robot=self._robot))
         return requests

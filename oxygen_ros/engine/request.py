@@ -52,6 +52,9 @@ class Request:
         events_sent: text events emitted so far (the next event's ``index``).
         robot: the id of the robot whose observation triggered it in a :class:`~oxygen_ros.engine.fleet.Fleet`
             (part of its prefix key, so robots never share a prefix); None in a single-robot engine.
+        instruction: the instruction its prompt was built with.
+        subtask_source: prompted with its task's own template and the observation's instruction (not a
+            submission with its own), so its text may be the robot's subtask (``subtask.py``).
     """
 
     task: TaskConfig
@@ -78,6 +81,8 @@ class Request:
     tag: Any = None
     events_sent: int = 0
     robot: Hashable = None
+    instruction: str = ""
+    subtask_source: bool = True
 
     def __post_init__(self) -> None:
         if self.task.sampling.temperature > 0:

@@ -68,6 +68,9 @@ class ActionChunk:
         seq, stamp: the observation they were computed from.
         latency_s: seconds from the start of the control cycle to the chunk being ready.
         tag: that observation's :attr:`Observation.tag`.
+        subtask: the subtask that conditioned it (the ``{subtask}`` of ``action.subtask_prompt_template``,
+            π0.5's subtask loop: ``oxygen_ros/engine/subtask.py``), or None for the plain action prompt.
+        prompt_ids: the token ids of the action prompt it was computed from.
     """
 
     actions: np.ndarray
@@ -75,6 +78,8 @@ class ActionChunk:
     stamp: float
     latency_s: float
     tag: Any = field(default=None, repr=False)
+    subtask: str | None = None
+    prompt_ids: tuple[int, ...] = field(default=(), repr=False)
 
 
 class RequestStatus(str, enum.Enum):

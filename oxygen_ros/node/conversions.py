@@ -54,6 +54,7 @@ def action_chunk_msg(chunk: ActionChunk, stamp: Time, frame_id: str, action_name
     msg.observation_seq = chunk.seq
     msg.inference_latency = chunk.latency_s
     msg.model_id = model_id
+    msg.subtask = chunk.subtask or ""
     return msg
 
 

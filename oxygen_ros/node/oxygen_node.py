@@ -34,7 +34,8 @@ Topics (relative names resolve in the node's namespace; ``~`` is the node's priv
     out  ~/joint_trajectory        trajectory_msgs/JointTrajectory (publish_trajectory), reliable, depth 1
     out  ~/speech                  oxygen_ros/Speech partials and finals, reliable, depth 100
     out  ~/speech_text             std_msgs/String: the final text of completed utterances that have something
-                                   to say (the others are withheld and counted), reliable, depth 10
+                                   to say (the others are withheld and counted; with speech.publish_on_change
+                                   only a text that differs from the last one sent), reliable, depth 10
     out  ~/memory                  oxygen_ros/MemoryEntry, reliable, depth 10
     out  ~/status                  oxygen_ros/EngineStatus, reliable, depth 10, at status_rate_hz
     out  /diagnostics              diagnostic_msgs/DiagnosticArray, reliable, depth 10, at status_rate_hz
@@ -171,6 +172,7 @@ class OxygenNode(LifecycleNode):
         self._seq = 0
         self._session = ""
         self._speech_text_withheld = 0      # completed utterances without speakable text, since activation
+        self._speech_text_last: dict[str, str] = {}   # per task: the text last published on ~/speech_text
         self._cycle_error_warner = DropCounter(self._log_error)
         self._configure_error: str | None = None
         self._autostart_failed: str | None = None
@@ -388,6 +390,7 @@ class OxygenNode(LifecycleNode):
             self._dropped_by_input = dict.fromkeys(self._dropped_by_input, 0)
         self._skips.reset()
         self._speech_text_withheld = 0
+        self._speech_text_last.clear()
         self._withheld.reset()
         self._output_warner.reset()
         self._time_warner.reset()
@@ -961,8 +964,14 @@ class OxygenNode(LifecycleNode):
             self._commands.instruction_for(entry.request_id, info.instruction)))
 
     def _publish_speech_text(self, event) -> None:
-        """``~/speech_text`` gets a completed utterance's text only when a TTS can say it."""
+        """``~/speech_text`` gets a completed utterance's text only when a TTS can say it; with
+        ``<task>.publish_on_change``, only when it differs from the task's text last published there."""
         if is_speakable(event.text):
+            name = f"{event.task}.publish_on_change"
+            on_change = self.has_parameter(name) and self.get_parameter(name).value
+            if on_change and self._speech_text_last.get(event.task) == event.text:
+                return
+            self._speech_text_last[event.task] = event.text
             self._speech_text_pub.publish(String(data=event.text))
             return
         self._speech_text_withheld += 1

@@ -8,7 +8,8 @@ or choices, when a change applies):
   parameters ``engine.<field>`` (``cuda_graphs`` sits with the model's parameters), the action task's
   fields are top-level (``control_rate_hz``, ``num_denoise_steps``, ``noise_seed``), and the fields of
   :class:`~oxygen_ros.engine.config.TaskConfig` are ``speech.<field>`` and ``memory.<field>`` (nested
-  configurations as ``speech.trigger.every_s``) with ``speech.enabled`` / ``memory.enabled``. The same
+  configurations as ``speech.trigger.every_s``) with ``speech.enabled`` / ``memory.enabled`` (and the node-only
+  ``speech.publish_on_change``). The same
   names and units as the engine YAML and the benchmark flags; :func:`read_settings` builds the
   :class:`EngineConfig` from these subtrees once, and the engine validates it once.
 * the node-only settings (model files, robot, cameras, topics, outputs, time checks): :data:`NODE_PARAMETERS`.
@@ -206,6 +207,11 @@ def _engine_declarations() -> Iterator[Declaration]:
     for task, defaults in LANGUAGE_TASKS.items():
         section = f"Language task {task}"
         yield Declaration(f"{task}.enabled", True, Knob(f"run the {task} task ({defaults['outputs']})"), section)
+        if defaults["kind"] == "speech":
+            yield Declaration(f"{task}.publish_on_change", False, Knob(
+                "publish a completed utterance on ~/speech_text only when its text differs from the previous "
+                "one published there since activation (a subtask said once, when it changes: pi0.5's subtask "
+                "loop); ~/speech keeps every partial and final", when=NEXT_USE), section)
         for leaf in leaves(TaskConfig):
             default: Any = defaults
             for key in leaf.path:

@@ -82,6 +82,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     log_every: int = 10
+    save_every: int = 200
     progress: bool = True
 
 
@@ -412,6 +413,13 @@ def train(config: TrainConfig) -> dict:
                             "seconds": round(time.perf_counter() - start, 2)})
             bar.set_postfix(loss=f"{mean[0]:.4f}", flow=f"{mean[1]:.4f}", text=f"{mean[2]:.3f}")
             window = []
+        if config.save_every > 0 and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
+            # A usable checkpoint part-way (a long CPU run can be stopped and still served); the final
+            # one below overwrites it.
+            write_checkpoint(model, processor, config.out, {"training": {
+                "partial": True, "step": step + 1, "seconds": round(time.perf_counter() - start, 1),
+                "final": history[-1] if history else None}})
+            model.train()
     seconds = time.perf_counter() - start
     model.eval()
     evaluation = {}
@@ -460,13 +468,16 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--seed", type=int, default=d.seed, help="seed (default 0)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--log-every", type=int, default=d.log_every, help="steps per logged loss (default 10)")
+    parser.add_argument("--save-every", type=int, default=d.save_every,
+                        help=f"steps between part-way checkpoints, 0 = only at the end (default {d.save_every})")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return TrainConfig(data=args.data, out=args.out, preset=args.preset, steps=args.steps,
                        batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, text_weight=args.text_weight,
                        subtask_in_action_prompt=args.subtask_in_action_prompt, image_stride=args.image_stride,
                        val_episodes=args.val_episodes, eval_samples=args.eval_samples, seed=args.seed,
-                       device=device, log_every=args.log_every)
+                       device=device, log_every=args.log_every,
+                       save_every=args.save_every)
 
 
 def main(argv: list[str] | None = None) -> int:
