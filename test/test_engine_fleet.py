@@ -317,19 +317,20 @@ def test_fleet_refuses_configs_it_cannot_serve(model):
 
 def test_subtask_state_is_per_robot(model):
     """π0.5's subtask loop on two robots of one fleet: each robot's action prompt carries its own latest
-    subtask (robot a's completes on its stop token; robot b, with another instruction, keeps its own),
-    and each robot's chunks, subtasks and action prompts equal a single-robot engine's."""
+    subtask. Robot a's source request completes on its stop token; robot b's never does (no stop token:
+    truncated requests give no subtask), so b keeps the plain prompt while a's carries a's subtask; each
+    robot's chunks, subtasks and action prompts equal a single-robot engine's."""
     from test_engine_subtask import LOOP, SOURCE, _first_new, _probe
     from engine_support import observation
 
     stop = _first_new(_probe(model))
-    tasks = [dict(SOURCE, stop_token_ids=[stop])]
+    tasks = {"a": [dict(SOURCE, stop_token_ids=[stop])], "b": [dict(SOURCE, stop_token_ids=[])]}
     make_obs = {"a": lambda seq: observation(seq, "pick up the cube"),
                 "b": lambda seq: frame(2, seq, instruction="open the drawer")}
     fleet = Fleet(model, fleet_config(kv_budget_mb=16))
     for robot in make_obs:
-        fleet.add_robot(robot, ByteIO(model.config), engine_config(tasks=tasks, action=LOOP))
-    singles = {robot: Engine(model, ByteIO(model.config), engine_config(tasks=tasks, action=LOOP))
+        fleet.add_robot(robot, ByteIO(model.config), engine_config(tasks=tasks[robot], action=LOOP))
+    singles = {robot: Engine(model, ByteIO(model.config), engine_config(tasks=tasks[robot], action=LOOP))
                for robot in make_obs}
     subtasks = {robot: [] for robot in make_obs}
     for seq in range(5):
@@ -343,7 +344,7 @@ def test_subtask_state_is_per_robot(model):
         assert fleet.robot("a").subtask.text == singles["a"].subtask.text
         assert fleet.robot("b").subtask.text == singles["b"].subtask.text
     assert subtasks["a"][-1] is not None                  # a's loop closed ...
-    assert subtasks["a"][-1] not in subtasks["b"]         # ... and its subtask stayed a's
+    assert subtasks["b"] == [None] * 5                    # ... and its subtask stayed a's
     fleet.close()
     for engine in singles.values():
         engine.close()
