@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 WITH_ENV := source scripts/env.sh &&
 
-.PHONY: setup test demo demo-data train-demo eval-demo bench-model bench-engine bench-roofline clean
+.PHONY: setup test demo demo-data train-demo eval-demo bench-model bench-engine bench-fleet bench-roofline clean
 
 setup:
 	@bash scripts/setup_env.sh
@@ -34,6 +34,10 @@ bench-model: setup
 
 bench-engine: setup
 	@$(WITH_ENV) python -m oxygen_ros.bench.engine_bench $(BENCH_ARGS)
+
+# R robots on one engine vs R separate engines (docs/fleet.md); `oxygen-bench-fleet` of `pip install .`.
+bench-fleet: setup
+	@$(WITH_ENV) python -m oxygen_ros.bench.fleet_bench $(BENCH_ARGS)
 
 # Per phase: FLOP, bytes, achieved rates and this machine's GEMM / streaming ceilings (docs/benchmarks.md).
 bench-roofline: setup

@@ -29,6 +29,7 @@ setup(
         "console_scripts": [
             "oxygen-bench-model = oxygen_ros.bench.model_bench:main",
             "oxygen-bench-engine = oxygen_ros.bench.engine_bench:main",
+            "oxygen-bench-fleet = oxygen_ros.bench.fleet_bench:main",
         ],
     },
 )

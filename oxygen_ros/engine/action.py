@@ -49,10 +49,22 @@ class ActionWork:
         Returns the chunk in the robot's units ``[H, robot action dim]`` with ``obs``'s seq, stamp and tag.
         """
         node = self._planner.nodes([job], meter)[0]
-        generator = torch.Generator().manual_seed(self._config.noise_seed + obs.seq)
-        noise = torch.randn(self._shape, generator=generator)
+        noise = self.noise(obs)
         with meter.phase("denoise_s"):
             actions = self._runner.denoise(node.seq, noise, self._config.num_denoise_steps,
                                            self._io.state_tensor(obs.state))
-        return ActionChunk(self._io.actions_out(actions[0], obs.state), obs.seq, obs.stamp,
-                           time.perf_counter() - t0, obs.tag, subtask, tuple(job.prompt_ids))
+        return self.finish(obs, actions[0], t0, subtask, tuple(job.prompt_ids))
+
+    def noise(self, obs: Observation) -> torch.Tensor:
+        """The flow-matching noise ``[1, H, action_dim]`` of ``obs``: standard normal from a generator
+        seeded with ``noise_seed + obs.seq``."""
+        generator = torch.Generator().manual_seed(self._config.noise_seed + obs.seq)
+        return torch.randn(self._shape, generator=generator)
+
+    def finish(self, obs: Observation, actions: torch.Tensor, t0: float, subtask: str | None = None,
+               prompt_ids: tuple[int, ...] = ()) -> ActionChunk:
+        """The chunk of ``obs`` from the model's actions ``[H, action_dim]`` (post-processed into the
+        robot's units), its latency counted from ``t0``; ``subtask`` and ``prompt_ids``: the action
+        prompt's subtask (None: plain prompt) and token ids, recorded on the chunk."""
+        return ActionChunk(self._io.actions_out(actions, obs.state), obs.seq, obs.stamp,
+                           time.perf_counter() - t0, obs.tag, subtask, prompt_ids)

@@ -17,30 +17,45 @@ A cycle (:meth:`Engine.run_cycle`), after OxyGen (arXiv 2603.14371) with a deadl
 
 from __future__ import annotations
 
-import threading
 import time
-from dataclasses import replace
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Callable, Hashable
+
+import numpy as np
 
 from oxygen_ros.engine.action import ActionWork
 from oxygen_ros.engine.block_pool import BlockPool
+from oxygen_ros.engine.core import EngineCore
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.inbox import Inbox, Submission
-from oxygen_ros.engine.kv_cache_manager import KVCacheManager
 from oxygen_ros.engine.language import LanguageWork
 from oxygen_ros.engine.inputs import ObservationReader
 from oxygen_ros.engine.meter import CycleMeter
 from oxygen_ros.engine.metrics import EngineMetrics
 from oxygen_ros.engine.model_io import ModelIO
-from oxygen_ros.engine.model_runner import ModelRunner, RunnerModel, WorkCounters
+from oxygen_ros.engine.model_runner import RunnerModel, WorkCounters
 from oxygen_ros.engine.modes import mode_policy
 from oxygen_ros.engine.outputs import CycleResult, OutputAssembler, memory_entries
-from oxygen_ros.engine.prefix_cache import PrefixJob, PrefixPlanner
+from oxygen_ros.engine.prefix_cache import PrefixJob
 from oxygen_ros.engine.request import Request, new_request_id
 from oxygen_ros.engine.scheduler import Scheduler, StepCostEstimator
 from oxygen_ros.engine.subtask import SubtaskState
 from oxygen_ros.engine.triggers import Triggers
 from oxygen_ros.engine.types import ActionChunk, MemoryEntry, Observation, RequestStatus, TextEvent
+
+
+@dataclass
+class Frame:
+    """What a cycle's observe step read from one observation: the present cameras' ``images`` and
+    their ``mask``, the action prompt's token ids, the language ``requests`` it starts and the
+    ``subtask`` in the action prompt (None: the plain prompt)."""
+
+    obs: Observation
+    images: list[np.ndarray]
+    mask: tuple[bool, ...]
+    action_ids: tuple[int, ...]
+    requests: list[Request]
+    subtask: str | None = None
 
 
 class Engine:
@@ -53,32 +68,42 @@ class Engine:
     methods from one thread.
     """
 
-    def __init__(self, model: RunnerModel, processor: ModelIO, config: EngineConfig):
+    def __init__(self, model: RunnerModel, processor: ModelIO, config: EngineConfig, *,
+                 core: EngineCore | None = None, robot_id: Hashable = None):
+        """``core``, ``robot_id``: a :class:`~oxygen_ros.engine.fleet.Fleet` builds each robot's
+        engine (its lane) on the fleet's shared :class:`EngineCore`, with a share of the pool of
+        ``config.kv_budget_mb``; a single-robot engine (the default) builds its own core and uses
+        the whole pool."""
         self.config = config
+        self.robot_id = robot_id
         cfg = model.config
-        self._pool = BlockPool(cfg.vlm_num_layers, cfg.num_kv_heads, cfg.head_dim,
-                               config.block_size, config.kv_budget_bytes, dtype=model.dtype,
-                               device=model.device)
-        self._manager = KVCacheManager(self._pool)
-        self._runner = ModelRunner(model, processor, self._manager, config.cuda_graphs)
+        own = core is None
+        self._core = core = EngineCore(model, processor, config) if own else core
+        self._pool, self._manager, self._runner = core.pool, core.manager, core.runner
         max_prompt = getattr(cfg, "max_token_len", None)
-        self._inputs = ObservationReader(config, processor, max_prompt, cfg.num_image_tokens)
+        self._inputs = ObservationReader(config, processor, max_prompt, cfg.num_image_tokens, robot_id)
         # The action task's page reserve: its largest prefix plus one copy-on-write page for a
         # fork. Language admission never charges these pages, so every cycle can prefill its action.
         self._action_reserve = self._manager.blocks_for(
             len(config.camera_slots) * cfg.num_image_tokens + (max_prompt or 0)) + 1
-        self._scheduler = Scheduler(config, self._manager, self._action_reserve)
-        self._estimator = StepCostEstimator(config.step_cost_quantile, config.step_cost_window)
+        share = None if own else core.assign(robot_id, config.kv_budget_bytes)
+        try:
+            self._scheduler = Scheduler(config, self._manager, self._action_reserve, share)
+        except ValueError:
+            if not own:
+                core.release(robot_id)
+            raise
+        self._estimator = core.estimator
         self._metrics = EngineMetrics(cfg.action_horizon,
                                       self._pool.num_blocks * self._pool.bytes_per_block,
                                       config.metrics_window)
-        self._planner = PrefixPlanner(self._manager, self._runner, cfg.prompt_mask)
+        self._planner = core.planner
         self._outputs = OutputAssembler(processor, cfg.eos_token_id, self._metrics)
-        self._lock = threading.Lock()
+        self._lock = core.lock
         self._inbox = Inbox(self._scheduler, self._outputs, self._lock, self._report_ended)
         self._work = LanguageWork(self._scheduler, self._planner, self._manager, self._runner,
-                                  self._outputs, self._inbox.apply)
-        self._mode = self._work.mode = mode_policy(config, self._planner)
+                                  self._outputs, self._inbox.apply, processor)
+        self._mode = self._work.mode = mode_policy(config, self._planner, robot_id)
         self._triggers = Triggers(config.language_tasks)
         self._action = ActionWork(config.action, self._planner, self._runner, processor,
                                   cfg.action_horizon, cfg.action_dim)
@@ -139,7 +164,7 @@ class Engine:
                 images, _ = self._inputs.camera_images(obs)
                 action_ids = self._inputs.prompt_ids(self.config.action.prompt_template, obs)
                 features = self._work.encode(images)
-                job = PrefixJob((("warm-up", obs.seq),), features, action_ids, False, False)
+                job = PrefixJob((("warm-up", self.robot_id, obs.seq),), features, action_ids, False, False)
                 chunk = self._act(obs, job, t0)
                 if on_action is not None:
                     on_action(chunk)
@@ -228,7 +253,30 @@ class Engine:
         t0 = time.perf_counter()
         deadline = t0 + self.config.action.control_period_s if deadline is None else deadline
         self._work.meter = meter = self._meter()
-        # observe
+        frame = self._observe(obs, t0)
+        # act: encode, prefill, denoise, hand out
+        features = self._work.encode(frame.images)
+        chunk = self._act(obs, self._mode.action_job(obs, frame.mask, frame.action_ids, features,
+                                                     frame.requests), t0, frame.subtask)
+        if on_action is not None:
+            on_action(chunk)
+        # admit, then decode within the budget
+        self._enqueue(frame, features)
+        overloaded = self._mode.language(self._work, obs, deadline)
+        # report
+        self._planner.tree.clear()
+        self._report_ended()
+        end = time.perf_counter()
+        record = meter.record(obs.seq, end - t0, chunk.latency_s, end > deadline, overloaded)
+        self._metrics.add_cycle(record)
+        self._metrics.peak_pool_bytes = max(self._metrics.peak_pool_bytes,
+                                            self._pool.peak_used_bytes)
+        return CycleResult(chunk, self._outputs.take(), record)
+
+    def _observe(self, obs: Observation, t0: float) -> Frame:
+        """A cycle's observe step: cross-thread cancellations, camera images, triggers (a new
+        instruction cancels what it must), the action prompt (with the robot's subtask when its loop
+        is on) and the requests ``obs`` starts. Raises ValueError as :meth:`run_cycle`."""
         self._inbox.apply()
         images, mask = self._inputs.camera_images(obs)
         fired, new_instruction = self._triggers.observe(obs)
@@ -242,27 +290,14 @@ class Engine:
         else:
             action_ids, subtask = self._inputs.prompt_ids(self.config.action.prompt_template, obs), None
         requests = self._inputs.requests(obs, mask, fired, self._inbox, t0)
-        # act: encode, prefill, denoise, hand out
-        features = self._work.encode(images)
-        chunk = self._act(obs, self._mode.action_job(obs, mask, action_ids, features, requests), t0,
-                          subtask)
-        if on_action is not None:
-            on_action(chunk)
-        # admit, then decode within the budget
-        for request in requests:
-            self._mode.keep_inputs(request, images, features)
+        return Frame(obs, images, mask, action_ids, requests, subtask)
+
+    def _enqueue(self, frame: Frame, features) -> None:
+        """Queue the frame's new requests (with the inputs they keep until prefilled)."""
+        for request in frame.requests:
+            self._mode.keep_inputs(request, frame.images, features)
             self._scheduler.add(request)
-        self._inbox.queued([request.request_id for request in requests])
-        overloaded = self._mode.language(self._work, obs, deadline)
-        # report
-        self._planner.tree.clear()
-        self._report_ended()
-        end = time.perf_counter()
-        record = meter.record(obs.seq, end - t0, chunk.latency_s, end > deadline, overloaded)
-        self._metrics.add_cycle(record)
-        self._metrics.peak_pool_bytes = max(self._metrics.peak_pool_bytes,
-                                            self._pool.peak_used_bytes)
-        return CycleResult(chunk, self._outputs.take(), record)
+        self._inbox.queued([request.request_id for request in frame.requests])
 
     def _act(self, obs: Observation, job: PrefixJob, t0: float, subtask: str | None = None) -> ActionChunk:
         chunk = self._action.run(obs, job, t0, self._work.meter, subtask)

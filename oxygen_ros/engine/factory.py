@@ -61,6 +61,22 @@ def load_parts(preset: str, robot: RobotConfig, *, checkpoint: str | Path | None
         ValueError, FileNotFoundError: unknown preset, missing tokenizer or checkpoint, inconsistent
             dimensions; everything about the tokenizer and processing fails before the weights load.
     """
+    processor = load_processor(preset, robot, tokenizer=tokenizer, norm_stats=norm_stats,
+                               conventions=conventions, action_horizon=action_horizon,
+                               max_token_len=max_token_len)
+    model = load_model(processor.processor.config, checkpoint, dtype=dtype, device=device, seed=seed)
+    return ModelParts(model, processor, robot)
+
+
+def load_processor(preset: str, robot: RobotConfig, *, tokenizer: TextTokenizer | str | Path | None = None,
+                   norm_stats: dict[str, NormStats] | None = None, conventions: Conventions | None = None,
+                   action_horizon: int | None = None, max_token_len: int | None = None) -> ProcessorIO:
+    """The engine processor of ``preset`` for ``robot`` without loading weights (arguments as
+    :func:`load_parts`): a fleet's robots each bring their own processing to one shared model.
+
+    Raises:
+        ValueError, FileNotFoundError: unknown preset, missing tokenizer, inconsistent dimensions.
+    """
     overrides = {}
     if action_horizon is not None:
         overrides["action_horizon"] = action_horizon
@@ -69,9 +85,7 @@ def load_parts(preset: str, robot: RobotConfig, *, checkpoint: str | Path | None
     config = get_preset(preset, **overrides)
     if tokenizer is None or isinstance(tokenizer, (str, Path)):
         tokenizer = load_tokenizer(config, tokenizer)
-    processor = Processor(config, robot, tokenizer, norm_stats, conventions)
-    model = load_model(config, checkpoint, dtype=dtype, device=device, seed=seed)
-    return ModelParts(model, ProcessorIO(processor), robot)
+    return ProcessorIO(Processor(config, robot, tokenizer, norm_stats, conventions))
 
 
 def build_engine(parts: ModelParts, config: EngineConfig) -> Engine:

@@ -3,6 +3,8 @@ within the model's prompt budget, and the language requests a cycle starts from 
 
 from __future__ import annotations
 
+from typing import Hashable
+
 import numpy as np
 
 from oxygen_ros.engine.config import EngineConfig, TaskConfig
@@ -20,10 +22,12 @@ class ObservationReader:
         io: the model's pre/post-processing (prompt token ids).
         max_prompt_tokens: the model's prompt budget in tokens, or None for no limit.
         image_tokens_per_camera: the model's tokens per camera image.
+        robot: the robot id its requests carry (:attr:`Request.robot`; None: a single-robot engine).
     """
 
     def __init__(self, config: EngineConfig, io: ModelIO, max_prompt_tokens: int | None,
-                 image_tokens_per_camera: int):
+                 image_tokens_per_camera: int, robot: Hashable = None):
+        self._robot = robot
         self._slots = tuple(config.camera_slots)
         self._tasks = {task.name: task for task in config.language_tasks}
         self._io = io
@@ -67,7 +71,8 @@ class ObservationReader:
         submission's ends that submission only, as ``dropped``."""
         image_tokens = sum(mask) * self._tokens_per_camera
         requests = [Request(task, obs.seq, obs.stamp, self.prompt_ids(task.prompt_template, obs),
-                            image_tokens, mask, t_arrival, tag=obs.tag, instruction=obs.instruction)
+                            image_tokens, mask, t_arrival, tag=obs.tag, instruction=obs.instruction,
+                            robot=self._robot)
                     for task in fired]
         for submission in inbox.take():
             try:
@@ -80,5 +85,5 @@ class ObservationReader:
                 submission.task.prompt_template == self._tasks[submission.task.name].prompt_template
             requests.append(Request(submission.task, obs.seq, obs.stamp, list(ids), image_tokens,
                                     mask, t_arrival, request_id=submission.request_id, tag=obs.tag,
-                                    instruction=instruction, subtask_source=own))
+                                    instruction=instruction, subtask_source=own, robot=self._robot))
         return requests

@@ -16,7 +16,8 @@ from oxygen_ros.engine.kv_cache_manager import KVCacheManager
 from oxygen_ros.engine.meter import CycleMeter
 from oxygen_ros.engine.model_runner import ModelRunner
 from oxygen_ros.engine.outputs import OutputAssembler
-from oxygen_ros.engine.prefix_cache import PrefixPlanner
+from oxygen_ros.engine.model_io import ModelIO
+from oxygen_ros.engine.prefix_cache import PrefixJob, PrefixNode, PrefixPlanner
 from oxygen_ros.engine.request import Request, sample_tokens
 from oxygen_ros.engine.scheduler import AdmissionPlan, Scheduler
 from oxygen_ros.engine.types import RequestStatus
@@ -36,6 +37,7 @@ class LanguageWork:
         outputs: streaming text and final events.
         apply_cancels: applies cancellations asked for from other threads (called at every decode
             step boundary).
+        io: the robot's pre/post-processing for its camera images (None: the runner's).
 
     Attributes:
         mode: the engine's mode policy (set by the engine; it decides how requests get prefixes).
@@ -43,8 +45,10 @@ class LanguageWork:
     """
 
     def __init__(self, scheduler: Scheduler, planner: PrefixPlanner, manager: KVCacheManager,
-                 runner: ModelRunner, outputs: OutputAssembler, apply_cancels: Callable[[], None]):
+                 runner: ModelRunner, outputs: OutputAssembler, apply_cancels: Callable[[], None],
+                 io: ModelIO | None = None):
         self.scheduler = scheduler
+        self.io = io
         self.planner = planner
         self._manager = manager
         self._runner = runner
@@ -56,7 +60,7 @@ class LanguageWork:
     def encode(self, images: list[np.ndarray]) -> torch.Tensor:
         """One vision call for ``images`` (timed as ``encode_s``)."""
         with self.meter.phase("encode_s"):
-            return self._runner.encode(images)
+            return self._runner.encode(images, self.io)
 
     def admit(self, now_stamp: float, prefill_budget: float, minimum: int = 0) -> AdmissionPlan:
         """:meth:`Scheduler.admit` with the mode's prefill costs."""
@@ -65,11 +69,21 @@ class LanguageWork:
     def start(self, plan: AdmissionPlan) -> None:
         """Prefill (or find) the admitted requests' prefixes, bind their sequences, sample their
         first tokens."""
+        if not plan.requests:
+            return
+        self.begin(plan, self.planner.nodes(self.jobs(plan), self.meter))
+
+    def jobs(self, plan: AdmissionPlan) -> list[PrefixJob]:
+        """The prefix jobs of the admitted requests of ``plan`` (a fleet prefills the jobs of every
+        robot in one batched call per tree level)."""
+        return [self.mode.request_job(request, self) for request in plan.requests]
+
+    def begin(self, plan: AdmissionPlan, nodes: list[PrefixNode]) -> None:
+        """Bind the admitted requests of ``plan`` to forks of their prefix ``nodes`` (in order) and
+        sample their first tokens."""
         requests = plan.requests
         if not requests:
             return
-        jobs = [self.mode.request_job(request, self) for request in requests]
-        nodes = self.planner.nodes(jobs, self.meter)
         now = time.perf_counter()
         for admission, node in zip(plan.admitted, nodes):
             self.scheduler.bind(admission, node.seq)
@@ -81,7 +95,7 @@ class LanguageWork:
         tokens = sample_tokens(torch.stack([r.next_logits for r in requests]), requests)
         for request, token in zip(requests, tokens):
             request.t_first_token = now
-            self._add_token(request, token)
+            self.add_token(request, token)
 
     def step(self, batch: list[Request]) -> None:
         """One batched decode step of ``batch`` (one token each)."""
@@ -92,7 +106,7 @@ class LanguageWork:
         tokens = sample_tokens(logits, batch)
         self.meter.decode_step(len(batch), time.perf_counter() - t)
         for request, token in zip(batch, tokens):
-            self._add_token(request, token)
+            self.add_token(request, token)
 
     def drain(self) -> None:
         """Run every waiting and running request to its end, with no deadline (a flush)."""
@@ -108,7 +122,8 @@ class LanguageWork:
             self.planner.tree.clear()
             self._outputs.ended(self.scheduler.drain_ended())
 
-    def _add_token(self, request: Request, token: int) -> None:
+    def add_token(self, request: Request, token: int) -> None:
+        """Count, stream and (on a stop token or the last allowed one) complete ``request``'s new ``token``."""
         self.meter.tokens += 1
         if self._outputs.add_token(request, token):
             self.scheduler.finish(request, RequestStatus.COMPLETED)

@@ -118,16 +118,26 @@ class ModelRunner:
             model.prepare_cpu_kernels()
 
     @torch.inference_mode()
-    def encode(self, images: Sequence[np.ndarray]) -> torch.Tensor:
+    def encode(self, images: Sequence[np.ndarray], io: ModelIO | None = None) -> torch.Tensor:
         """One vision call for all ``images`` -> ``[N, num_image_tokens, W]``; N = 0 gives an empty
-        tensor without a call."""
-        if not images:
+        tensor without a call. ``io``: whose ``images_to_pixels`` converts them (default the runner's)."""
+        return self.encode_groups([(self.io if io is None else io, images)])[0]
+
+    @torch.inference_mode()
+    def encode_groups(self, groups: Sequence[tuple[ModelIO, Sequence[np.ndarray]]]) -> list[torch.Tensor]:
+        """One vision call for the images of every group (a fleet: one group per robot, each converted
+        to pixels by its own ``ModelIO``) -> per group ``[N_g, num_image_tokens, W]``, in order. No
+        call when there are no images at all (empty tensors)."""
+        pixels = [io.images_to_pixels(images).to(self.device) for io, images in groups if images]
+        counts = [len(images) for _, images in groups]
+        if not pixels:
             cfg = self.model.config
-            return torch.zeros((0, cfg.num_image_tokens, cfg.vlm_width), device=self.device)
-        pixels = self.io.images_to_pixels(images).to(self.device)
+            empty = torch.zeros((0, cfg.num_image_tokens, cfg.vlm_width), device=self.device)
+            return [empty for _ in groups]
         self.counters.vision_calls += 1
-        self.counters.images_encoded += len(images)
-        return self.synchronized(self.model.encode_images(pixels))
+        self.counters.images_encoded += sum(counts)
+        features = self.synchronized(self.model.encode_images(torch.cat(pixels)))
+        return list(torch.split(features, counts))
 
     def synchronized(self, result):
         """``result`` once the device has finished the work queued so far.
@@ -180,9 +190,17 @@ class ModelRunner:
                 state: torch.Tensor | None) -> torch.Tensor:
         """Flow-matching actions ``[1, H, action_dim]`` from ``noise [1, H, action_dim]``, reading
         ``seq``'s prefix KV through a read-only view (gathered once for all steps)."""
-        view = self.manager.view([seq])
+        return self.denoise_batch([seq], noise, num_steps, None if state is None else [state])
+
+    @torch.inference_mode()
+    def denoise_batch(self, seqs: list[KVSequence], noise: torch.Tensor, num_steps: int,
+                      states: list[torch.Tensor] | None) -> torch.Tensor:
+        """One denoising loop for a batch of prefixes (a fleet: one per robot; ragged lengths,
+        masked): actions ``[B, H, action_dim]`` from ``noise [B, H, action_dim]``; ``states``: π0's
+        ``[action_dim]`` per row, or None (π0.5)."""
+        view = self.manager.view(list(seqs))
         self.counters.denoise_calls += 1
-        state_batch = None if state is None else state[None].to(self.device)
+        state_batch = None if states is None else torch.stack(list(states)).to(self.device)
         return self.synchronized(self.model.denoise(view, noise.to(self.device), num_steps=num_steps,
                                                     state=state_batch))
 

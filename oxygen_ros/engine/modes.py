@@ -12,6 +12,7 @@ Modes for A/B comparison (same code path, different sharing and batching):
 from __future__ import annotations
 
 import time
+from typing import Hashable
 
 import numpy as np
 import torch
@@ -30,16 +31,18 @@ class ModePolicy:
     Args:
         config: the engine configuration.
         planner: the cycle's prefix planner.
+        robot: the robot id of a fleet's lane (its prefix keys), None for a single-robot engine.
     """
 
-    def __init__(self, config: EngineConfig, planner: PrefixPlanner):
+    def __init__(self, config: EngineConfig, planner: PrefixPlanner, robot: Hashable = None):
         self.config = config
         self.planner = planner
+        self.robot = robot
 
     def action_job(self, obs: Observation, mask: tuple[bool, ...], action_ids: tuple[int, ...],
                    features: torch.Tensor, requests: list[Request]) -> PrefixJob:
         """The action prefix's job; it keeps what this cycle's ``requests`` that share it need."""
-        path = self.planner.path(obs.seq, mask, action_ids)
+        path = self.planner.path(obs.seq, mask, action_ids, self.robot)
         logits, pooled = self.planner.needs(path, requests)
         return PrefixJob(path, features, action_ids, logits, pooled)
 
@@ -89,7 +92,7 @@ class IsolatedMode(ModePolicy):
     """Nothing shared: private prefixes, one vision call per task, the tree dropped after each."""
 
     def action_job(self, obs, mask, action_ids, features, requests) -> PrefixJob:
-        return PrefixJob((("isolated-action", obs.seq),), features, action_ids, False, False)
+        return PrefixJob((("isolated-action", self.robot, obs.seq),), features, action_ids, False, False)
 
     def action_done(self) -> None:
         self.planner.tree.clear()
@@ -101,7 +104,7 @@ class IsolatedMode(ModePolicy):
         return request.prefix_len
 
     def request_job(self, request: Request, work: LanguageWork) -> PrefixJob:
-        return PrefixJob((("isolated", request.request_id),), work.encode(request.images),
+        return PrefixJob((("isolated", self.robot, request.request_id),), work.encode(request.images),
                          tuple(request.prompt_ids), True, request.task.kind == "memory")
 
     def request_done(self) -> None:
@@ -167,6 +170,6 @@ MODES: dict[str, type[ModePolicy]] = {"isolated": IsolatedMode, "shared_prefix":
                                       "unified": UnifiedMode}
 
 
-def mode_policy(config: EngineConfig, planner: PrefixPlanner) -> ModePolicy:
-    """The policy of ``config.mode``."""
-    return MODES[config.mode](config, planner)
+def mode_policy(config: EngineConfig, planner: PrefixPlanner, robot: Hashable = None) -> ModePolicy:
+    """The policy of ``config.mode`` (for ``robot``'s lane of a fleet, or a single robot: None)."""
+    return MODES[config.mode](config, planner, robot)

@@ -146,16 +146,17 @@ class PrefixPlanner:
         self._runner = runner
         self._prompt_mask = prompt_mask
 
-    def path(self, obs_seq: int, mask: tuple[bool, ...],
-             prompt_ids: tuple[int, ...]) -> tuple[Hashable, ...]:
-        """Key path of a prefix in the cycle's tree, split where the model's mask allows."""
+    def path(self, obs_seq: int, mask: tuple[bool, ...], prompt_ids: tuple[int, ...],
+             robot: Hashable = None) -> tuple[Hashable, ...]:
+        """Key path of a prefix in the cycle's tree, split where the model's mask allows; ``robot``
+        (a fleet's robot id, None for a single-robot engine) keeps the robots of one tree apart."""
         if self._prompt_mask == "causal":
-            return (("images", obs_seq, mask), ("prompt", prompt_ids))
-        return (("prefix", obs_seq, mask, prompt_ids),)
+            return (("images", robot, obs_seq, mask), ("prompt", prompt_ids))
+        return (("prefix", robot, obs_seq, mask, prompt_ids),)
 
     def request_path(self, request: Request) -> tuple[Hashable, ...]:
         """Key path of ``request``'s prefix."""
-        return self.path(request.obs_seq, request.camera_mask, tuple(request.prompt_ids))
+        return self.path(request.obs_seq, request.camera_mask, tuple(request.prompt_ids), request.robot)
 
     def needs(self, path: tuple[Hashable, ...], candidates: list[Request]) -> tuple[bool, bool]:
         """``(logits, pooled)`` a prefix node at ``path`` must keep.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 
@@ -50,6 +50,8 @@ class Request:
         pooled: pooled prefix hidden state (memory tasks), or None.
         tag: the triggering observation's ``tag``, handed back on every output of the request.
         events_sent: text events emitted so far (the next event's ``index``).
+        robot: the id of the robot whose observation triggered it in a :class:`~oxygen_ros.engine.fleet.Fleet`
+            (part of its prefix key, so robots never share a prefix); None in a single-robot engine.
         instruction: the instruction its prompt was built with.
         subtask_source: prompted with its task's own template and the observation's instruction (not a
             submission with its own), so its text may be the robot's subtask (``subtask.py``).
@@ -78,6 +80,7 @@ class Request:
     pooled: torch.Tensor | None = None
     tag: Any = None
     events_sent: int = 0
+    robot: Hashable = None
     instruction: str = ""
     subtask_source: bool = True
 

@@ -141,19 +141,23 @@ class Scheduler:
         config: the engine configuration (max batch size, queue bound).
         manager: the KV-cache manager whose pages requests hold.
         action_reserve_blocks: pages kept for the action task's prefix.
+        share_blocks: the pages this scheduler may use (its action reserve included): the whole pool
+            (None, a single-robot engine) or one robot's share of a fleet's pool.
 
     Raises:
-        ValueError: the pool is smaller than the action reserve.
+        ValueError: the pool (or share) is smaller than the action reserve.
     """
 
-    def __init__(self, config: EngineConfig, manager: KVCacheManager, action_reserve_blocks: int):
-        if action_reserve_blocks > manager.pool.num_blocks:
-            raise ValueError(f"KV pool of {manager.pool.num_blocks} pages cannot reserve "
+    def __init__(self, config: EngineConfig, manager: KVCacheManager, action_reserve_blocks: int,
+                 share_blocks: int | None = None):
+        share = manager.pool.num_blocks if share_blocks is None else share_blocks
+        if action_reserve_blocks > share:
+            raise ValueError(f"KV pool of {share} pages cannot reserve "
                              f"{action_reserve_blocks} pages for the action task; raise "
                              "engine.kv_budget_mb")
         self._config = config
         self._manager = manager
-        self.language_capacity = manager.pool.num_blocks - action_reserve_blocks
+        self.language_capacity = share - action_reserve_blocks
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.committed_blocks = 0

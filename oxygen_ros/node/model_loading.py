@@ -70,16 +70,54 @@ def build_engine(settings: NodeSettings) -> Engine:
             norm stats, non-finite or degenerate norm stats, inconsistent dimensions, or a KV budget too
             small (naming ``engine.kv_budget_mb``); the message says which.
     """
+    return factory.build_engine(load_parts(settings), settings.engine)
+
+
+def robot_config(settings: NodeSettings) -> RobotConfig:
+    """The robot's dimensions and the model's camera slots of ``settings``."""
+    return RobotConfig(name=settings.preset, state_dim=len(settings.joint_names), action_dim=settings.action_dim,
+                       camera_slots=settings.model_camera_slots)
+
+
+def processing_arguments(settings: NodeSettings) -> dict:
+    """The keyword arguments of :func:`oxygen_ros.engine.factory.load_processor` of ``settings``: the
+    tokenizer, the normalisation statistics and the checkpoint family's conventions (horizon, prompt budget).
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`load_statistics`.
+    """
     conv = settings.conventions
-    robot = RobotConfig(name=settings.preset, state_dim=len(settings.joint_names), action_dim=settings.action_dim,
-                        camera_slots=settings.model_camera_slots)
+    return dict(tokenizer=settings.tokenizer_path or None, norm_stats=load_statistics(settings),
+                conventions=conv, action_horizon=conv.action_horizon, max_token_len=conv.max_token_len)
+
+
+def model_key(settings: NodeSettings) -> tuple:
+    """What decides the model's weights and shapes: robots whose keys are equal can share one model
+    (the fleet node). ``(preset, checkpoint, dtype, device, seed, action horizon, prompt budget)``."""
+    conv = settings.conventions
+    return (settings.preset, settings.checkpoint or "", settings.dtype, settings.device, settings.seed,
+            conv.action_horizon, conv.max_token_len)
+
+
+def load_parts(settings: NodeSettings) -> factory.ModelParts:
+    """The model and the robot's processing of ``settings`` (:func:`oxygen_ros.engine.factory.load_parts`).
+
+    Raises:
+        as :func:`build_engine`, less the KV budget.
+    """
     # Everything that can be wrong with the statistics, tokenizer or conventions fails before the weights load.
-    parts = factory.load_parts(settings.preset, robot, checkpoint=settings.checkpoint or None,
-                               tokenizer=settings.tokenizer_path or None, norm_stats=load_statistics(settings),
-                               conventions=conv, action_horizon=conv.action_horizon,
-                               max_token_len=conv.max_token_len, dtype=settings.dtype, device=settings.device,
-                               seed=settings.seed)
-    return factory.build_engine(parts, settings.engine)
+    return factory.load_parts(settings.preset, robot_config(settings), checkpoint=settings.checkpoint or None,
+                              dtype=settings.dtype, device=settings.device, seed=settings.seed,
+                              **processing_arguments(settings))
+
+
+def load_processor(settings: NodeSettings):
+    """The robot's processing of ``settings`` for a model loaded already (:func:`model_key` equal).
+
+    Raises:
+        as :func:`processing_arguments`, and ValueError for dimensions that contradict the family.
+    """
+    return factory.load_processor(settings.preset, robot_config(settings), **processing_arguments(settings))
 
 
 def warm_up(engine: Engine, settings: NodeSettings, on_action=None) -> float:

@@ -135,6 +135,10 @@ class OxygenNode(LifecycleNode):
 
     Args:
         node_name: the node's name (default ``oxygen_node``).
+        engine_builder: builds the engine from the configure step's settings (default
+            :func:`oxygen_ros.node.model_loading.build_engine`: load the model, build an engine); the
+            fleet node (``oxygen_ros/node/fleet_node.py``) gives each robot's node a client of its shared
+            engine instead. Raises as that function.
         **kwargs: forwarded to :class:`rclpy.lifecycle.LifecycleNode` (``context``, ``namespace``,
             ``parameter_overrides``, ...), so several nodes can share one process and executor.
 
@@ -142,8 +146,9 @@ class OxygenNode(LifecycleNode):
     spins the node's executor: transitions and the status timer must not run concurrently.
     """
 
-    def __init__(self, node_name: str = "oxygen_node", **kwargs):
+    def __init__(self, node_name: str = "oxygen_node", engine_builder=None, **kwargs):
         super().__init__(node_name, **kwargs)
+        self._engine_builder = engine_builder
         self._query_group = MutuallyExclusiveCallbackGroup()
         for service in self.services:
             if service.srv_name.rsplit("/", 1)[-1] in _QUERY_SERVICES:
@@ -343,7 +348,7 @@ class OxygenNode(LifecycleNode):
             with self._parameter_lock:    # no parameter change between the state and the values read
                 self._lifecycle_state = "configuring"     # configure-time parameters are refused from here on
                 settings = read_settings(self)
-            engine = build_engine(settings)
+            engine = (self._engine_builder or build_engine)(settings)
             warm_chunks: list[ActionChunk] = []
             warm_s = warm_up(engine, settings, warm_chunks.append)
             bad = [int(np.sum(~np.isfinite(chunk.actions))) for chunk in warm_chunks if not all_finite(chunk.actions)]
