@@ -25,8 +25,10 @@ train-demo: setup
 # Closed-loop evaluation of the trained policy (docs/demo-policy.md, "Closed-loop evaluation"): node on
 # simulated time, node in real time, synchronous, random weights, scripted expert; EVAL_ARGS passes options
 # (e.g. EVAL_ARGS="--episodes 2 --conditions sync,expert").
+# EVAL_CHECKPOINT: the shipped demo policy unless given (e.g. runs/train-demo/checkpoint after make train-demo).
+EVAL_CHECKPOINT ?= oxygen_ros/assets/demo_policy
 eval-demo: setup
-	@$(WITH_ENV) python -m oxygen_ros.tools.evaluate --checkpoint runs/train-demo/checkpoint $(EVAL_ARGS)
+	@$(WITH_ENV) python -m oxygen_ros.tools.evaluate --checkpoint $(EVAL_CHECKPOINT) $(EVAL_ARGS)
 
 # The same programs as the console scripts `oxygen-bench-model` / `oxygen-bench-engine` of `pip install .`.
 bench-model: setup
