@@ -93,7 +93,7 @@ def test_speech_text_carries_only_speakable_text_and_counts_the_rest(harness):
 
     assert wait_for(lambda: len(completed()) >= 3, 30.0)
     finals = completed()
-    speakable = Counter(s.text for s in finals if is_speakable(s.text))
+    speakable = Counter(s.text.strip() for s in finals if is_speakable(s.text))   # sent stripped
     unspeakable = sum(not is_speakable(s.text) for s in finals)
     print(f"{len(finals)} completed utterances, {unspeakable} without speakable text: "
           f"{[s.text for s in finals][:5]}")

@@ -51,7 +51,7 @@ def test_speech_text_only_when_it_changes(harness):
             node._publish_speech_text(TextEvent(0, "speech", 0, 0.0, "", text, [], True,
                                                 RequestStatus.COMPLETED))
 
-    say("grasp the cube", "grasp the cube", "lift the cube", "lift the cube", "grasp the cube")
+    say("grasp the cube", " grasp the cube \n", "lift the cube", "lift the cube", "grasp the cube")
     want = ["grasp the cube", "lift the cube", "grasp the cube"]
     assert wait_for(lambda: harness.count("speech_text") >= start + len(want), 10.0)
     from rclpy.parameter import Parameter

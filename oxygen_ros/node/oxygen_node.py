@@ -970,14 +970,16 @@ class OxygenNode(LifecycleNode):
 
     def _publish_speech_text(self, event) -> None:
         """``~/speech_text`` gets a completed utterance's text only when a TTS can say it; with
-        ``<task>.publish_on_change``, only when it differs from the task's text last published there."""
+        ``<task>.publish_on_change``, only when it differs from the task's text last published there.
+        The text goes out without leading and trailing whitespace (a TTS reads it as is)."""
         if is_speakable(event.text):
+            text = event.text.strip()
             name = f"{event.task}.publish_on_change"
             on_change = self.has_parameter(name) and self.get_parameter(name).value
-            if on_change and self._speech_text_last.get(event.task) == event.text:
+            if on_change and self._speech_text_last.get(event.task) == text:
                 return
-            self._speech_text_last[event.task] = event.text
-            self._speech_text_pub.publish(String(data=event.text))
+            self._speech_text_last[event.task] = text
+            self._speech_text_pub.publish(String(data=text))
             return
         self._speech_text_withheld += 1
         self.get_logger().warning(
