@@ -47,6 +47,7 @@ from oxygen_ros.engine.core import EngineCore
 from oxygen_ros.engine.engine import Engine, Frame
 from oxygen_ros.engine.meter import CycleMeter
 from oxygen_ros.engine.metrics import CycleRecord
+from oxygen_ros.engine.modes import admission_budget, decode_within_budget
 from oxygen_ros.engine.model_io import ModelIO
 from oxygen_ros.engine.model_runner import RunnerModel
 from oxygen_ros.engine.outputs import CycleResult
@@ -406,14 +407,8 @@ class Fleet:
         """Admission per robot and batched decode steps across robots within the slack before
         ``deadline`` (UnifiedMode's rules, over every robot); True when overloaded."""
         config, estimator = self.config, self._core.estimator
-        margin = config.slack_margin_s
         deadline_mode = config.scheduling == "deadline"
-        budget = float("inf")
-        if deadline_mode:
-            per_token = estimator.estimate_prefill(1)
-            slack = deadline - time.perf_counter() - margin
-            if per_token is not None:
-                budget = max(0.0, slack) / per_token if per_token > 0 else float("inf")
+        budget = admission_budget(config, estimator, deadline)
         # Admission: least recently admitted robot first, each against its own share of the pool.
         order = sorted(self._lanes, key=lambda r: (self._admitted_at.get(r, -1),
                                                    deadlines.get(r, float("inf"))))
@@ -439,27 +434,13 @@ class Fleet:
             for lane, plan, jobs in plans:
                 lane._work.begin(plan, nodes[start:start + len(jobs)])
                 start += len(jobs)
-        steps = 0
-        while True:
+
+        def apply_cancels() -> None:
             for lane in self._lanes.values():
                 lane._inbox.apply()
-            batch = self._decode_batch()
-            if not batch:
-                break
-            if not deadline_mode:
-                if steps >= config.decode_steps_per_cycle:
-                    break
-            else:
-                size = estimator.fitting_batch(len(batch), deadline - time.perf_counter() - margin)
-                if size == 0:
-                    if steps >= config.min_decode_steps_per_cycle:
-                        break
-                    size = len(batch)
-                    overloaded = True
-                batch = batch[:size]
-            self._step(batch, meter)
-            steps += 1
-        return overloaded
+
+        return decode_within_budget(config, estimator, deadline, apply_cancels, self._decode_batch,
+                                    lambda batch: self._step(batch, meter)) or overloaded
 
     def _decode_batch(self) -> list[tuple[Hashable, Request]]:
         """The cross-robot decode batch: each robot's own order (priority, then age, up to its

@@ -12,7 +12,7 @@ Modes for A/B comparison (same code path, different sharing and batching):
 from __future__ import annotations
 
 import time
-from typing import Hashable
+from typing import Callable, Hashable
 
 import numpy as np
 import torch
@@ -130,40 +130,63 @@ class UnifiedMode(ModePolicy):
             cycle overruns its deadline by that work).
         """
         config, estimator = self.config, work.meter.estimator
-        margin = config.slack_margin_s
-        budget = float("inf")
         deadline_mode = config.scheduling == "deadline"
-        if deadline_mode:
-            per_token = estimator.estimate_prefill(1)
-            slack = deadline - time.perf_counter() - margin
-            if per_token is not None:
-                budget = max(0.0, slack) / per_token if per_token > 0 else float("inf")
-        plan = work.admit(obs.stamp, budget, config.min_admissions_per_cycle if deadline_mode else 0)
+        plan = work.admit(obs.stamp, admission_budget(config, estimator, deadline),
+                          config.min_admissions_per_cycle if deadline_mode else 0)
         work.start(plan)
-        overloaded = plan.forced > 0
-        steps = 0
-        while True:
-            work.apply_cancels()
-            batch = work.scheduler.decode_batch()
-            if not batch:
+        overloaded = decode_within_budget(config, estimator, deadline, work.apply_cancels,
+                                          work.scheduler.decode_batch, work.step)
+        return overloaded or plan.forced > 0
+
+
+def admission_budget(config: EngineConfig, estimator, deadline: float) -> float:
+    """Prefill tokens the slack before ``deadline`` pays for by the online prefill estimate
+    (``deadline`` scheduling; unbounded for ``fixed_k`` or before the first measurement)."""
+    if config.scheduling != "deadline":
+        return float("inf")
+    per_token = estimator.estimate_prefill(1)
+    if per_token is None:
+        return float("inf")
+    slack = deadline - time.perf_counter() - config.slack_margin_s
+    return max(0.0, slack) / per_token if per_token > 0 else float("inf")
+
+
+def decode_within_budget(config: EngineConfig, estimator, deadline: float, apply_cancels: Callable[[], None],
+                         decode_batch: Callable[[], list], step: Callable[[list], None]) -> bool:
+    """Batched decode steps until the batch is empty or the budget is spent (one engine's requests or
+    a fleet's, through the three callables).
+
+    ``fixed_k`` runs ``decode_steps_per_cycle`` steps of the whole batch. ``deadline`` runs steps while
+    the estimated step cost fits the slack, shrinking the batch to its largest highest-priority prefix
+    that fits (stepping it also measures that batch size for the estimate); without slack the first
+    ``min_decode_steps_per_cycle`` steps still run with the whole batch.
+
+    Returns:
+        True when the guaranteed minimum ran without slack to pay for it.
+    """
+    deadline_mode = config.scheduling == "deadline"
+    margin = config.slack_margin_s
+    overloaded = False
+    steps = 0
+    while True:
+        apply_cancels()
+        batch = decode_batch()
+        if not batch:
+            break
+        if not deadline_mode:
+            if steps >= config.decode_steps_per_cycle:
                 break
-            if not deadline_mode:
-                if steps >= config.decode_steps_per_cycle:
+        else:
+            size = estimator.fitting_batch(len(batch), deadline - time.perf_counter() - margin)
+            if size == 0:
+                if steps >= config.min_decode_steps_per_cycle:
                     break
-            else:
-                # The largest highest-priority prefix of the batch whose estimated step cost fits
-                # the slack; stepping it also measures that batch size for the estimate. Without
-                # slack, the first min_decode_steps_per_cycle steps still run (whole batch).
-                size = estimator.fitting_batch(len(batch), deadline - time.perf_counter() - margin)
-                if size == 0:
-                    if steps >= config.min_decode_steps_per_cycle:
-                        break
-                    size = len(batch)
-                    overloaded = True
-                batch = batch[:size]
-            work.step(batch)
-            steps += 1
-        return overloaded
+                size = len(batch)
+                overloaded = True
+            batch = batch[:size]
+        step(batch)
+        steps += 1
+    return overloaded
 
 
 MODES: dict[str, type[ModePolicy]] = {"isolated": IsolatedMode, "shared_prefix": SharedPrefixMode,
