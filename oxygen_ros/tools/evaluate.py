@@ -14,8 +14,10 @@ Conditions (``--conditions``, all by default):
   node runs with ``use_sim_time``. Lockstep: the robot renders the cameras at sim time t, publishes them
   and the joint state (stamped t), waits (wall clock) for an action chunk stamped ≥ t, executes
   ``--execute-steps`` of its actions (advancing ``/clock`` by 20 ms per step) and repeats. Physics is
-  paused while the node computes. The node needs no change: with ``staleness_limit_s`` below one control
-  step and every camera required, a frame is usable only while ``/clock`` stands at its stamp, so the
+  paused while the node computes. The node's code needs no change, only parameters: every input is
+  subscribed reliably (the robot publishes each once per frame: a lost best-effort sample would never be
+  replaced), and with ``staleness_limit_s`` below one control step and every camera required, a frame is
+  usable only while ``/clock`` stands at its stamp, so the
   node's (wall-clock) cycle runs exactly once per complete fresh observation and skips otherwise
   (``no_observation``, ``clock_paused``); ``control_rate_hz`` only sets how often it looks.
 * ``node-realtime``: the same node with the demo's robot (:class:`~oxygen_ros.tools.sim_robot.SimRobot`,
@@ -794,7 +796,7 @@ def node_parameters(condition: str, args, checkpoint: str) -> dict:
 
     Lockstep (``node-lockstep``, ``sync``, ``random``): ``use_sim_time``; ``staleness_limit_s`` 0.01 (below
     one 20 ms control step: a frame is fresh only while the clock stands at its stamp); every camera
-    required and reliable; ``control_rate_hz`` ``--poll-rate`` (how often the node looks for a complete
+    required and reliable, and the joint state reliable (``joint_states_reliability``); ``control_rate_hz`` ``--poll-rate`` (how often the node looks for a complete
     observation); speech and memory on every ``--language-every`` th frame, decoded to the end in the cycle
     (``engine.scheduling`` fixed_k with k = the longest label). Real time (``node-realtime``): the demo's
     settings (tools/demo.py), speech and memory prompts from the checkpoint.
