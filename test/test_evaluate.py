@@ -103,6 +103,24 @@ def test_sync_and_expert_report_and_sync_is_deterministic(evaluate, tmp_path):
     assert not np.allclose(first["final_position"], start, atol=1e-4), "the policy's actions moved nothing"
 
 
+def test_lockstep_inputs_are_reliable_and_realtime_inputs_best_effort(evaluate, tmp_path):
+    """The lockstep robot publishes each frame's inputs once: a lost best-effort sample would never be replaced
+    and the frame never completed (the joint state, sent with the images, was lost on a loaded machine:
+    "stale joint state (0.20 s)" until the episode aborted). Every input of a lockstep condition is reliable."""
+    from oxygen_ros.node.parameters import read_settings
+
+    args = _args(evaluate, tmp_path)
+    for condition in ("node-lockstep", "sync", "random"):
+        params = evaluate.node_parameters(condition, args, "")
+        settings = read_settings(evaluate._ParameterView(params))
+        assert settings.joint_states_reliability == "reliable", condition
+        assert [c.reliability for c in settings.cameras] == ["reliable"] * len(evaluate.CAMERAS), condition
+    realtime = read_settings(evaluate._ParameterView(evaluate.node_parameters("node-realtime", args, "")))
+    assert realtime.joint_states_reliability == "best_effort"       # the demo's robot streams at 50 Hz
+    with pytest.raises(ValueError, match="joint_states_reliability"):
+        read_settings(evaluate._ParameterView(dict(params, joint_states_reliability="sometimes")))
+
+
 def test_node_lockstep_runs_over_dds_on_simulated_time(evaluate, tmp_path):
     result = evaluate.evaluate(_args(evaluate, tmp_path, "--conditions", "node-lockstep", "--max-steps", "20"))
     summary = result["conditions"][0]

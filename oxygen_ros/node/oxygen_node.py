@@ -600,7 +600,9 @@ class OxygenNode(LifecycleNode):
         self._frequencies["joint_states"] = (FrequencyStatus(), self.resolve_topic_name(settings.joint_states_topic),
                                              True)
         self._subscribe(String, settings.instruction_topic, self._on_instruction, _INSTRUCTION_QOS)
-        self._subscribe(JointState, settings.joint_states_topic, self._on_joint_state, qos_profile_sensor_data)
+        joint_qos = qos_profile_sensor_data if settings.joint_states_reliability == "best_effort" else \
+            QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=5, reliability=ReliabilityPolicy.RELIABLE)
+        self._subscribe(JointState, settings.joint_states_topic, self._on_joint_state, joint_qos)
         if settings.joint_limits_from_robot_description:
             self._subscribe(String, "robot_description", self._on_robot_description, _LATCHED_QOS)
         self._owned_timers.append(self.create_timer(1.0 / settings.status_rate_hz, self._publish_status))

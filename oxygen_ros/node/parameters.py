@@ -145,6 +145,10 @@ NODE_PARAMETERS: tuple[Declaration, ...] = (
     _node("max_instruction_chars", 1000, "longer instructions are dropped (counted, with a warning)", _INPUTS,
           low=1, high=1_000_000, when=NEXT_USE),
     _node("joint_states_topic", "joint_states", "sensor_msgs/JointState topic", _INPUTS, when=STRUCTURAL),
+    _node("joint_states_reliability", "best_effort", "joint-state subscription reliability: best_effort "
+          "(sensor-data QoS, for a driver that streams its state) or reliable (for a source that publishes "
+          "each state once, e.g. a simulator stepping in lockstep: a lost best-effort sample is never "
+          "replaced)", _INPUTS, choices=RELIABILITIES, when=STRUCTURAL),
     _node("camera_clock_offset_warn_s", 1.0, "/diagnostics warns when a camera's header stamps differ from "
           "the node clock at receipt by more than this", _INPUTS, unit="s", low=0.0, high=1e9, when=NEXT_USE),
     # ---- rates
@@ -306,6 +310,7 @@ class NodeSettings:
     instruction_topic: str
     default_instruction: str
     joint_states_topic: str
+    joint_states_reliability: str
     status_rate_hz: float
     frame_id: str
     publish_trajectory: bool
@@ -465,7 +470,8 @@ def read_settings(node: Node) -> NodeSettings:
         joint_names=joint_names, action_dim=action_dim,
         action_dt_s=conventions.action_dt_s or 0.05, action_names=action_names, cameras=cameras,
         instruction_topic=v["instruction_topic"], default_instruction=v["default_instruction"],
-        joint_states_topic=v["joint_states_topic"], status_rate_hz=float(v["status_rate_hz"]),
+        joint_states_topic=v["joint_states_topic"], joint_states_reliability=v["joint_states_reliability"],
+        status_rate_hz=float(v["status_rate_hz"]),
         frame_id=v["frame_id"], publish_trajectory=bool(v["publish_trajectory"]),
         trajectory_joint_names=trajectory_names, trajectory_stamp_policy=v["trajectory_stamp_policy"],
         joint_limits=joint_limits,

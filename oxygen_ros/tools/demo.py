@@ -29,9 +29,7 @@ Command line: ``python -m oxygen_ros.tools.demo [--duration 60] [--checkpoint DI
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -55,11 +53,11 @@ from oxygen_ros.models.processing import ACTION_PROMPT
 from oxygen_ros.msg import ActionChunk, MemoryEntry, Speech
 from oxygen_ros.tools import sim_robot
 from oxygen_ros.tools.bag_recorder import BagRecorder, default_run_dir
+from oxygen_ros.tools.child_process import start_child, stop_child
 
 NODE_NAME = "oxygen_node"
 # The simulated robot's cameras -> the model's camera slots (openpi's ALOHA image keys).
 CAMERA_SLOTS = dict(zip(sim_robot.CAMERAS, ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")))
-_PR_SET_PDEATHSIG = 1
 DEFAULT_SEED = 1000           # the cube's start pose: the first evaluation seed (the training data used 0..99)
 RANDOM_WEIGHTS = {"preset": "pi05_tiny", "checkpoint": "", "instruction": "pick up the red cube",
                   "language_prompt": "shared", "control_rate": 3.0, "speech_every": 3.0}
@@ -176,36 +174,12 @@ class DemoFollower(Node):
 
 
 def _start_robot(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
-    """The simulated robot as a child process in its own session, ended with this process."""
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def die_with_parent() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
+    """The simulated robot as a child process in its own session, ended with this process
+    (:func:`oxygen_ros.tools.child_process.start_child`)."""
     command = [sys.executable, "-P", "-m", "oxygen_ros.tools.sim_robot", "--ros-args",
                "-p", f"camera_rate_hz:={args.camera_rate}",
                "-p", f"action_chunk_topic:=/{NODE_NAME}/action_chunk", "-p", f"seed:={args.seed}"]
-    log = open(log_path, "w")
-    try:
-        # cwd: the run directory, so that nothing the robot writes (MuJoCo's MUJOCO_LOG.TXT, should a
-        # warning bypass the node's handler) lands in the user's working directory.
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=log_path.parent,
-                                start_new_session=True, preexec_fn=die_with_parent)
-    finally:
-        log.close()
-
-
-def _stop_robot(robot: subprocess.Popen) -> None:
-    """SIGTERM the robot's process group; SIGKILL after 5 s."""
-    if robot.poll() is not None:
-        return
-    os.killpg(robot.pid, signal.SIGTERM)
-    try:
-        robot.wait(timeout=5.0)
-    except subprocess.TimeoutExpired:
-        os.killpg(robot.pid, signal.SIGKILL)
-        robot.wait()
+    return start_child(command, log_path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -329,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
         follower.collect_cycles()
     finally:
-        _stop_robot(robot)
+        stop_child(robot)
         # Order matters: no thread may still be inside native code (torch, rclpy) when the interpreter
         # tears down, or the process aborts with "terminate called without an active exception". The
         # control-cycle thread (a daemon) was found still inside a torch op at teardown in the aborted

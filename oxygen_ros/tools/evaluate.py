@@ -14,8 +14,10 @@ Conditions (``--conditions``, all by default):
   node runs with ``use_sim_time``. Lockstep: the robot renders the cameras at sim time t, publishes them
   and the joint state (stamped t), waits (wall clock) for an action chunk stamped ≥ t, executes
   ``--execute-steps`` of its actions (advancing ``/clock`` by 20 ms per step) and repeats. Physics is
-  paused while the node computes. The node needs no change: with ``staleness_limit_s`` below one control
-  step and every camera required, a frame is usable only while ``/clock`` stands at its stamp, so the
+  paused while the node computes. The node's code needs no change, only parameters: every input is
+  subscribed reliably (the robot publishes each once per frame: a lost best-effort sample would never be
+  replaced), and with ``staleness_limit_s`` below one control step and every camera required, a frame is
+  usable only while ``/clock`` stands at its stamp, so the
   node's (wall-clock) cycle runs exactly once per complete fresh observation and skips otherwise
   (``no_observation``, ``clock_paused``); ``control_rate_hz`` only sets how often it looks.
 * ``node-realtime``: the same node with the demo's robot (:class:`~oxygen_ros.tools.sim_robot.SimRobot`,
@@ -48,7 +50,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
@@ -59,6 +60,7 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
 from oxygen_ros.tools import demo_data  # noqa: E402
+from oxygen_ros.tools.child_process import package_pythonpath, start_child, stop_child  # noqa: E402
 from oxygen_ros.tools.demo_data import (DT, INSTRUCTION, JOINTS, PHASES, SUBTASKS, phase_flags,  # noqa: E402
                                         scene_caption, scene_state, wilson_interval)
 
@@ -461,7 +463,7 @@ def _lockstep_worker(spec: dict) -> int:
         return Time(sec=ns // 10**9, nanosec=ns % 10**9)
 
     sim = EpisodeSim(spec["seed"], spec["clock_offset_s"])
-    latencies, aborted = [], None
+    latencies, frames, aborted = [], [], None    # frames: (stamp t [s], frame to chunk [s], sends of the inputs)
     wall = time.perf_counter()
     try:
         # The node must see this episode's clock and the robot on the graph before the first frame.
@@ -484,7 +486,9 @@ def _lockstep_worker(spec: dict) -> int:
             sent = time.perf_counter()
             give_up = time.monotonic() + spec["chunk_timeout_s"]
             chunk = None
+            sends = 0
             while chunk is None and time.monotonic() < give_up:
+                sends += 1
                 # (Re)send the clock, then the inputs: a frame taken in before the clock moved would look
                 # stale to the node; the resend (every resend_s) makes the observation complete again.
                 clock_pub.publish(Clock(clock=stamp(t)))
@@ -503,6 +507,7 @@ def _lockstep_worker(spec: dict) -> int:
                 aborted = f"no action chunk within {spec['chunk_timeout_s']:g} s for the observation at {t:.3f} s"
                 break
             latencies.append(chunk[3] - sent)
+            frames.append((t, chunk[3] - sent, sends))
             chunk_stamp, dt, actions = chunk[0], chunk[1], chunk[2]
             n = min(spec["execute_steps"], spec["max_steps"] - sim.step_index)
             for _ in range(n):
@@ -511,7 +516,7 @@ def _lockstep_worker(spec: dict) -> int:
                 sim.execute(actions[index])
                 clock_pub.publish(Clock(clock=stamp(sim.now_s)))
         record = sim.trace()
-        record.update(latencies=latencies, chunks=len(latencies), wall_s=time.perf_counter() - wall,
+        record.update(latencies=latencies, frames=frames, chunks=len(latencies), wall_s=time.perf_counter() - wall,
                       sim_s=sim.step_index * DT, aborted=aborted)
         _write_record(record, sim.sheet, Path(spec["out"]))
     finally:
@@ -602,34 +607,6 @@ def _worker_command(mode: str, spec: dict) -> list[str]:
     return [sys.executable, "-P", "-m", "oxygen_ros.tools.evaluate", "--worker", mode, json.dumps(spec)]
 
 
-def _start_child(command: list[str], log: Path) -> subprocess.Popen:
-    """A child process in its own session, ended with this process (the kernel's parent-death signal)."""
-    import ctypes
-
-    import oxygen_ros
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    # The child imports this very package (the source tree or the install space this process runs from).
-    env = dict(os.environ)
-    root = str(Path(oxygen_ros.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    with open(log, "a") as handle:
-        return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=log.parent, start_new_session=True, env=env,
-                                preexec_fn=lambda: libc.prctl(1, signal.SIGTERM))
-
-
-def _stop_child(child: subprocess.Popen) -> None:
-    if child.poll() is not None:
-        return
-    os.killpg(child.pid, signal.SIGTERM)
-    try:
-        child.wait(timeout=5.0)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
-
-
 class _Follower:
     """Records the node's completed speech and memory (observation stamp, text, receipt wall time) and the
     action chunks (stamp, receipt wall time) — a plain rclpy node in the evaluation's executor."""
@@ -715,14 +692,15 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
                 spec.update(camera_rate_hz=args.camera_rate)
                 command = _worker_command("realtime", spec)
             started = time.time()
-            child = _start_child(command, out_dir / condition / "robot.log")
+            child = start_child(command, out_dir / condition / "robot.log", append=True,
+                                env=package_pythonpath(os.environ))
             try:
                 limit = args.max_steps * DT * 200 + 120 if condition == "node-lockstep" else args.max_steps * DT * 20 + 60
                 child.wait(timeout=limit)
             except subprocess.TimeoutExpired:
                 log(f"{condition} episode {seed}: the robot process ran past {limit:.0f} s; stopped")
             finally:
-                _stop_child(child)
+                stop_child(child)
             if child.returncode != 0 or not out.is_file():
                 raise RuntimeError(f"{condition} episode {seed}: the robot process failed (exit {child.returncode}); "
                                    f"see {out_dir / condition / 'robot.log'}")
@@ -737,6 +715,14 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
             speech, memory, chunks = follower.between(lo, hi)
             record.update(speech=speech, memory=memory,
                           inference_latencies=[latency for _, _, latency in chunks])
+            if condition == "node-lockstep":
+                # Per frame the engine's inference latency of the first chunk computed from it (a frame whose
+                # inputs were re-sent while the node computed may have a second chunk): frame to chunk minus
+                # it is the time the frame waited before the engine took it, plus delivery.
+                first = {}
+                for stamp, _, latency in chunks:
+                    first.setdefault(round(stamp, 6), latency)
+                record["inference_latencies"] = [first.get(round(t, 6)) for t, _, _ in record["frames"]]
             if condition == "node-realtime":
                 record["latencies"] = [received - stamp for stamp, received, _ in chunks]
                 record["chunks"] = len(chunks)
@@ -810,7 +796,7 @@ def node_parameters(condition: str, args, checkpoint: str) -> dict:
 
     Lockstep (``node-lockstep``, ``sync``, ``random``): ``use_sim_time``; ``staleness_limit_s`` 0.01 (below
     one 20 ms control step: a frame is fresh only while the clock stands at its stamp); every camera
-    required and reliable; ``control_rate_hz`` ``--poll-rate`` (how often the node looks for a complete
+    required and reliable, and the joint state reliable (``joint_states_reliability``); ``control_rate_hz`` ``--poll-rate`` (how often the node looks for a complete
     observation); speech and memory on every ``--language-every`` th frame, decoded to the end in the cycle
     (``engine.scheduling`` fixed_k with k = the longest label). Real time (``node-realtime``): the demo's
     settings (tools/demo.py), speech and memory prompts from the checkpoint.
@@ -841,7 +827,10 @@ def node_parameters(condition: str, args, checkpoint: str) -> dict:
     else:
         params.update({
             "use_sim_time": True,
-            "camera_reliability": ["reliable"] * len(CAMERA_SLOTS),
+            # Reliable inputs: the lockstep robot publishes each frame's inputs once; a best-effort sample lost
+            # in transport (the joint state, sent with 690 kB of images, was lost on a loaded machine) is
+            # never replaced, and the frame could not be completed (the "stale joint state" stall).
+            "camera_reliability": ["reliable"] * len(CAMERA_SLOTS), "joint_states_reliability": "reliable",
             "camera_required": [True] * len(CAMERA_SLOTS),
             "staleness_limit_s": 0.01, "control_rate_hz": args.poll_rate,
             "speech.trigger.every_n_frames": args.language_every, "speech.trigger.every_s": 0.0,
@@ -890,13 +879,22 @@ def score_episode(record: dict) -> dict:
             caption_n += 1
             caption_ok += text_matches(text, truth["caption"])
     latencies = record.get("latencies", [])
+    inference = record.get("inference_latencies") or []
+    # frame to chunk minus the engine's inference latency of the same chunk: the time before the engine took the
+    # frame (queueing behind the previous cycle, the node's polling, delivery)
+    waiting = [total - engine for total, engine in zip(latencies, inference) if engine is not None] \
+        if len(inference) == len(latencies) else []
+    measured = [x for x in inference if x is not None]
+    frames = record.get("frames") or []
     wall = record.get("wall_s") or 0.0
     return {"seed": record["seed"], "outcome": outcome(record["flags"]), "steps": len(record["flags"]),
             "subtask_correct": speech_ok, "subtask_total": speech_n,
             "caption_correct": caption_ok, "caption_total": caption_n,
             "chunks": record.get("chunks", 0), "mean_latency_s": float(np.mean(latencies)) if latencies else None,
-            "mean_inference_latency_s": float(np.mean(record["inference_latencies"]))
-            if record.get("inference_latencies") else None,
+            "mean_inference_latency_s": float(np.mean(measured)) if measured else None,
+            "mean_waiting_s": float(np.mean(waiting)) if waiting else None,
+            "max_latency_s": float(np.max(latencies)) if latencies else None,
+            "resent_frames": sum(1 for _, _, sends in frames if sends > 1),
             "chunks_per_wall_s": record.get("chunks", 0) / wall if wall > 0 else None,
             "wall_s": round(wall, 2), "sim_s": round(record.get("sim_s", 0.0), 3),
             "resets": record.get("resets", 0), "aborted": record.get("aborted")}
@@ -918,12 +916,19 @@ def summarise(condition: str, episodes: list[dict]) -> dict:
         return {"correct": ok, "total": total, "accuracy": ok / total if total else None}
 
     latencies = [e["mean_latency_s"] for e in episodes if e["mean_latency_s"] is not None]
+
+    def mean_of(key: str) -> float | None:
+        values = [e[key] for e in episodes if e.get(key) is not None]
+        return float(np.mean(values)) if values else None
     chunks = sum(e["chunks"] for e in episodes)
     wall = sum(e["wall_s"] for e in episodes)
     sim = sum(e["sim_s"] for e in episodes)
     return {"condition": condition, "episodes": n, "success": success, "subtask": accuracy("subtask"),
             "caption": accuracy("caption"),
             "mean_latency_s": float(np.mean(latencies)) if latencies else None,
+            "mean_inference_latency_s": mean_of("mean_inference_latency_s"),
+            "mean_waiting_s": mean_of("mean_waiting_s"),
+            "resent_frames": sum(e.get("resent_frames", 0) for e in episodes),
             "chunks_per_wall_s": chunks / wall if wall else None, "chunks_per_sim_s": chunks / sim if sim else None,
             "seconds_per_episode": wall / n if n else None,
             "aborted": sum(1 for e in episodes if e["aborted"]), "per_episode": episodes}
@@ -940,13 +945,17 @@ def markdown_table(summaries: list[dict]) -> str:
     def num(x, fmt: str) -> str:
         return "—" if x is None else format(x, fmt)
 
+    def ms(x) -> str:
+        return num(None if x is None else x * 1e3, ".0f")
+
     lines = ["| condition | reached | grasped | lifted | transferred | subtask acc. | caption acc. | "
-             "latency [ms] | chunks/s (wall) | chunks/s (sim) | s/episode |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "frame→chunk [ms] | inference [ms] | waiting [ms] | chunks/s (wall) | chunks/s (sim) | s/episode |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         lines.append(f"| {s['condition']} | " + " | ".join(pct(s["success"][p]) for p in PHASES)
                      + f" | {acc(s['subtask'])} | {acc(s['caption'])} | "
-                     f"{num(None if s['mean_latency_s'] is None else s['mean_latency_s'] * 1e3, '.0f')} | "
+                     f"{ms(s['mean_latency_s'])} | {ms(s.get('mean_inference_latency_s'))} | "
+                     f"{ms(s.get('mean_waiting_s'))} | "
                      f"{num(s['chunks_per_wall_s'], '.2f')} | {num(s['chunks_per_sim_s'], '.2f')} | "
                      f"{num(s['seconds_per_episode'], '.1f')} |")
     return "\n".join(lines)
@@ -988,6 +997,10 @@ def _episode_line(record: dict) -> str:
     reached = ", ".join(p for p, v in s["outcome"].items() if v) or "nothing"
     return (f"{reached}; subtask {s['subtask_correct']}/{s['subtask_total']}, caption "
             f"{s['caption_correct']}/{s['caption_total']}, {s['chunks']} chunks, {s['wall_s']:.1f} s"
+            + ("" if s["mean_latency_s"] is None else f"; frame to chunk {s['mean_latency_s'] * 1e3:.0f} ms")
+            + ("" if s["mean_inference_latency_s"] is None else
+               f" (inference {s['mean_inference_latency_s'] * 1e3:.0f} ms)")
+            + (f"; {s['resent_frames']} frames re-sent" if s["resent_frames"] else "")
             + (f"; ABORTED: {s['aborted']}" if s["aborted"] else ""))
 
 
