@@ -71,20 +71,23 @@ def _assert_clean_exit(code: int, log: str) -> None:
 
 def test_executable_serves_robots_and_ends_on_sigint(tmp_path):
     namespaces = [f"/fleet_process_{os.getpid()}/r1", f"/fleet_process_{os.getpid()}/r2"]
-    server = subprocess.Popen(_server_command(tmp_path, namespaces), cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
     out = tmp_path / "robots.json"
-    try:
-        robot = subprocess.run(_robot_command(out, namespaces), cwd=tmp_path, capture_output=True, text=True,
-                               timeout=LONG + 120)
-    finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGINT)
+    # the server's log goes to a file: a pipe nobody reads until the end could fill and block it
+    with open(tmp_path / "server.log", "w") as server_log:
+        server = subprocess.Popen(_server_command(tmp_path, namespaces), cwd=tmp_path, stdout=server_log,
+                                  stderr=subprocess.STDOUT)
         try:
-            log, _ = server.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            log, _ = server.communicate()
+            robot = subprocess.run(_robot_command(out, namespaces), cwd=tmp_path, capture_output=True, text=True,
+                                   timeout=LONG + 120)
+        finally:
+            if server.poll() is None:
+                server.send_signal(signal.SIGINT)
+            try:
+                server.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+    log = (tmp_path / "server.log").read_text()
     assert robot.returncode == 0, robot.stdout + robot.stderr + log[-4000:]
     _assert_served(json.loads(out.read_text()), namespaces)
     _assert_clean_exit(server.returncode, log)
