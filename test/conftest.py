@@ -72,3 +72,20 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} is absent")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny π0.5 (seeded random weights, seed 5, float32) of the engine equivalence and fleet tests; a
+    module that needs another seed defines its own ``model``."""
+    from engine_support import tiny_model
+
+    return tiny_model(5)
+
+
+@pytest.fixture(scope="module")
+def causal_model():
+    """The tiny π0.5 of seed 6 with the causal prompt mask (instead of one bidirectional image + prompt block)."""
+    from engine_support import tiny_model
+
+    return tiny_model(6, "causal")

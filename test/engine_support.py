@@ -46,6 +46,17 @@ class ByteIO:
         return actions.float().cpu().numpy()
 
 
+def tiny_model(seed: int, prompt_mask: str = "bidirectional", preset: str = "pi05_tiny"):
+    """The tiny ``preset`` with random weights of ``seed``, float32, and ``prompt_mask`` (``"causal"``: images
+    and prompt attend causally instead of as one block)."""
+    from oxygen_ros.models import load_model
+
+    model = load_model(preset, dtype=torch.float32, seed=seed)
+    if prompt_mask != model.config.prompt_mask:
+        model.config = model.config.replace(prompt_mask=prompt_mask)
+    return model
+
+
 SLOTS = ("base_0_rgb", "left_wrist_0_rgb")
 
 

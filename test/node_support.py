@@ -37,6 +37,7 @@ def _install_prefix() -> Path:
 
 INSTALL_PREFIX = _install_prefix()
 EXECUTABLE = INSTALL_PREFIX / "lib" / "oxygen_ros" / "oxygen_node"
+FLEET_EXECUTABLE = INSTALL_PREFIX / "lib" / "oxygen_ros" / "oxygen_fleet_node"
 JOINTS = ["joint_1", "joint_2", "joint_3", "joint_4", "joint_5", "joint_6", "gripper"]
 _HARNESS_IDS = itertools.count(1)
 
@@ -46,14 +47,22 @@ _HARNESS_IDS = itertools.count(1)
 NODE_KEYS = ("/**/oxygen_node", "oxygen_node", "/oxygen_node")
 
 
-def start_executable(cwd, namespace: str | None = None, params_file=REPO_ROOT / "config" / "pi05_tiny.yaml",
-                     overrides=()) -> subprocess.Popen:
-    """Start the installed ``oxygen_node`` executable in ``cwd`` with ``params_file``, optionally under
-    ``namespace`` and with ``-p`` ``overrides`` (``"name:=value"``); stdout and stderr together, as text."""
-    args = [sys.executable, str(EXECUTABLE), "--ros-args"]
+def executable_command(namespace: str | None = None, params_file=REPO_ROOT / "config" / "pi05_tiny.yaml",
+                       overrides=(), executable=EXECUTABLE) -> list[str]:
+    """The command line of an installed executable (``oxygen_node``, or ``oxygen_fleet_node`` with
+    :data:`FLEET_EXECUTABLE`) with ``params_file``, optionally under ``namespace`` and with ``-p`` ``overrides``
+    (``"name:=value"``), as ``ros2 run`` gives it."""
+    args = [sys.executable, str(executable), "--ros-args"]
     if namespace is not None:
         args += ["-r", f"__ns:={namespace}"]
-    args += ["--params-file", str(params_file)] + [arg for override in overrides for arg in ("-p", override)]
+    return args + ["--params-file", str(params_file)] + [arg for override in overrides for arg in ("-p", override)]
+
+
+def start_executable(cwd, namespace: str | None = None, params_file=REPO_ROOT / "config" / "pi05_tiny.yaml",
+                     overrides=(), executable=EXECUTABLE) -> subprocess.Popen:
+    """Start the installed ``executable`` (:func:`executable_command`) in ``cwd``; stdout and stderr together,
+    as text."""
+    args = executable_command(namespace, params_file, overrides, executable)
     return subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ))
 
@@ -306,3 +315,69 @@ class Harness:
         self.robot.destroy_node()
         self.context.try_shutdown()
         self.context.destroy()
+
+
+class RobotSide:
+    """One simulated robot of a fleet: camera frames (raw scene, JPEG wrist), joint states and its instruction
+    in its namespace, with header stamps of its own (``base_s`` seconds apart from other robots'), and the
+    action chunks its ``oxygen_node`` publishes there (:attr:`chunks`; :meth:`records` as plain tuples).
+    Its node joins ``context``; spinning it is the caller's (any executor)."""
+
+    def __init__(self, context, namespace: str, base_s: int, publish_hz: float = 10.0):
+        from oxygen_ros.msg import ActionChunk
+        from rclpy.node import Node
+        from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+        from sensor_msgs.msg import CompressedImage, Image, JointState
+        from std_msgs.msg import String
+
+        self.node = Node("robot_side", context=context, namespace=namespace)
+        self.cam0 = self.node.create_publisher(Image, "camera/image_raw", qos_profile_sensor_data)
+        self.cam1 = self.node.create_publisher(CompressedImage, "wrist_camera/image_raw/compressed",
+                                               qos_profile_sensor_data)
+        self.joints = self.node.create_publisher(JointState, "joint_states", qos_profile_sensor_data)
+        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self.instruction = self.node.create_publisher(String, "instruction", latched)
+        self.instruction.publish(String(data=f"robot {namespace} picks the cube"))
+        self.chunks: list = []
+        reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+        self.node.create_subscription(ActionChunk, "oxygen_node/action_chunk", self.chunks.append, reliable)
+        self.sent: set[tuple[int, int]] = set()
+        self.publishing = True
+        self._index = 0
+        self._base_s = base_s
+        self._hz = publish_hz
+        self.node.create_timer(1.0 / publish_hz, self._publish)
+
+    def _publish(self) -> None:
+        from builtin_interfaces.msg import Time
+        from sensor_msgs.msg import JointState
+
+        if not self.publishing:
+            return
+        self._index += 1
+        ns = self._base_s * 10**9 + round(self._index * 1e9 / self._hz)
+        stamp = Time(sec=ns // 10**9, nanosec=ns % 10**9)
+        self.sent.add((stamp.sec, stamp.nanosec))
+        self.cam0.publish(raw_image(stamp=stamp))
+        self.cam1.publish(jpeg_image(stamp=stamp))
+        self.joints.publish(JointState(name=JOINTS, position=[0.1] * len(JOINTS)))
+
+    def records(self, start: int = 0, end: int | None = None) -> list[tuple[int, int, int]]:
+        """``(stamp sec, stamp nanosec, observation_seq)`` of the chunks received (``start:end``)."""
+        return [(c.header.stamp.sec, c.header.stamp.nanosec, c.observation_seq) for c in self.chunks[start:end]]
+
+    def chunks_after(self, count: int, n: int = 2, timeout: float = 300.0) -> bool:
+        """Whether ``n`` chunks beyond the first ``count`` arrive within ``timeout`` [s] (bounds a hang only)."""
+        return wait_for(lambda: len(self.chunks) >= count + n, timeout, 0.05)
+
+
+def assert_own_chunks(records, sent, others_sent) -> None:
+    """Chunks ``records`` (``(sec, nanosec, observation_seq)``, one life of a robot's node) were computed from
+    that robot's own frames: each carries a stamp the robot sent (``sent``) and none another robot sent
+    (``others_sent``: their stamp sets), and their observation_seq values strictly increase."""
+    stamps = [(sec, nanosec) for sec, nanosec, _ in records]
+    assert stamps and all(s in sent for s in stamps), (stamps[:5], sorted(sent)[:5])
+    assert not any(s in other for other in others_sent for s in stamps)
+    seqs = [seq for _, _, seq in records]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), seqs

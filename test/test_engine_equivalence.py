@@ -1,27 +1,13 @@
 """unified == isolated: same action chunks and greedy text; sharing is real (work counters)."""
 
 import numpy as np
-import pytest
 import torch
 
 from oxygen_ros.engine import Engine, RequestStatus
-from oxygen_ros.models import load_model
 from oxygen_ros.models.reference import reference_generate
 from engine_support import MEMORY, SPEECH, ByteIO, engine_config, observation
 
 FRAMES = 20
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model("pi05_tiny", dtype=torch.float32, seed=5)
-
-
-@pytest.fixture(scope="module")
-def causal_model():
-    model = load_model("pi05_tiny", dtype=torch.float32, seed=6)
-    model.config = model.config.replace(prompt_mask="causal")
-    return model
 
 
 _RUNS = {}

@@ -5,25 +5,11 @@ per robot on the shared pool. CPU, tiny model; no wall-clock assertion."""
 
 import numpy as np
 import pytest
-import torch
 
 from oxygen_ros.engine import Engine, EngineConfig, Observation, RequestStatus
 from oxygen_ros.engine.config import MIB
 from oxygen_ros.engine.fleet import Fleet, ReleaseClock
-from oxygen_ros.models import load_model
 from engine_support import MEMORY, SLOTS, SPEECH, ByteIO, engine_config
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model("pi05_tiny", dtype=torch.float32, seed=5)
-
-
-@pytest.fixture(scope="module")
-def causal_model():
-    model = load_model("pi05_tiny", dtype=torch.float32, seed=6)
-    model.config = model.config.replace(prompt_mask="causal")
-    return model
 
 
 def frame(robot_seed, seq, slots=SLOTS, instruction="pick up the cube", masked=(), stamp=None):

@@ -5,6 +5,7 @@ import torch
 
 from oxygen_ros.models import DenseKVCache, load_model
 from oxygen_ros.models.reference import reference_actions, reference_generate, reference_logits
+from engine_support import tiny_model
 
 CAMERAS = 2
 
@@ -21,9 +22,7 @@ def pi05():
 
 @pytest.fixture(scope="module")
 def pi05_causal():
-    model = load_model("pi05_tiny", dtype=torch.float32, seed=3)
-    model.config = model.config.replace(prompt_mask="causal")
-    return model
+    return tiny_model(3, "causal")
 
 
 def _observation(model, batch, seed, camera_mask=None, prompt_lens=(9, 5)):

@@ -11,65 +11,13 @@ import threading
 
 import pytest
 
-from node_support import jpeg_image, raw_image, tiny_parameters, wait_for
+from node_support import RobotSide, assert_own_chunks, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 
 ROBOTS = ("r1", "r2", "r3")
 _IDS = itertools.count(1)
 LONG = 300.0     # bounds a hang only: model load and cycles on a loaded 2-core machine
-
-
-class RobotSide:
-    """One simulated robot: camera frames (raw scene, JPEG wrist), joint states and its instruction in its
-    namespace, with header stamps of its own (``base_s`` seconds apart from other robots'), and what its
-    oxygen_node publishes."""
-
-    def __init__(self, context, namespace: str, base_s: int, publish_hz: float = 10.0):
-        from builtin_interfaces.msg import Time
-        from oxygen_ros.msg import ActionChunk, Speech
-        from rclpy.node import Node
-        from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
-        from sensor_msgs.msg import CompressedImage, Image, JointState
-        from std_msgs.msg import String
-
-        self.node = Node("robot_side", context=context, namespace=namespace)
-        self.cam0 = self.node.create_publisher(Image, "camera/image_raw", qos_profile_sensor_data)
-        self.cam1 = self.node.create_publisher(CompressedImage, "wrist_camera/image_raw/compressed",
-                                               qos_profile_sensor_data)
-        self.joints = self.node.create_publisher(JointState, "joint_states", qos_profile_sensor_data)
-        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
-                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
-        self.instruction = self.node.create_publisher(String, "instruction", latched)
-        self.instruction.publish(String(data=f"robot {namespace} picks the cube"))
-        self.chunks: list = []
-        self.speech: list = []
-        reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
-        self.node.create_subscription(ActionChunk, "oxygen_node/action_chunk", self.chunks.append, reliable)
-        self.node.create_subscription(Speech, "oxygen_node/speech", self.speech.append, reliable)
-        self.sent: set[tuple[int, int]] = set()
-        self.publishing = True
-        self._index = 0
-        self._base_s = base_s
-        self._hz = publish_hz
-        self._time = Time
-        self._joint_state = JointState
-        self.node.create_timer(1.0 / publish_hz, self._publish)
-
-    def _publish(self) -> None:
-        if not self.publishing:
-            return
-        self._index += 1
-        ns = self._base_s * 10**9 + round(self._index * 1e9 / self._hz)
-        stamp = self._time(sec=ns // 10**9, nanosec=ns % 10**9)
-        self.sent.add((stamp.sec, stamp.nanosec))
-        self.cam0.publish(raw_image(stamp=stamp))
-        self.cam1.publish(jpeg_image(stamp=stamp))
-        self.joints.publish(self._joint_state(name=["joint_1", "joint_2", "joint_3", "joint_4", "joint_5",
-                                                    "joint_6", "gripper"], position=[0.1] * 7))
-
-    def chunks_after(self, count: int, n: int = 2, timeout: float = LONG) -> bool:
-        return wait_for(lambda: len(self.chunks) >= count + n, timeout, 0.05)
 
 
 @pytest.fixture
@@ -115,14 +63,8 @@ def fleet():
 
 
 def _own_chunks(side: RobotSide, others: list[RobotSide], start: int = 0, end: int | None = None):
-    """Every chunk ``side`` received (``start:end``: one life of its node) carries one of its own frame stamps
-    (none of another robot's), and its observation_seq values increase."""
-    chunks = side.chunks[start:end]
-    stamps = [(c.header.stamp.sec, c.header.stamp.nanosec) for c in chunks]
-    assert stamps and all(s in side.sent for s in stamps)
-    assert not any(s in other.sent for other in others for s in stamps)
-    seqs = [c.observation_seq for c in chunks]
-    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    """Every chunk ``side`` received (``start:end``: one life of its node) came from its own frames."""
+    assert_own_chunks(side.records(start, end), side.sent, [other.sent for other in others])
 
 
 def _call(node, side: RobotSide, service: str, robot: str):
@@ -174,3 +116,8 @@ def test_three_robots_on_one_engine(fleet):
     _own_chunks(sides["r3"], others["r3"], end=removed_at)
     _own_chunks(sides["r3"], others["r3"], start=removed_at)
     assert sides["r3"].chunks[removed_at].observation_seq < sides["r3"].chunks[removed_at - 1].observation_seq
+    # robots come and go by service only: the robots parameter is read-only
+    from rclpy.parameter import Parameter
+
+    assert not node.set_parameters([Parameter("robots", value=[f"{base}/r9"])])[0].successful
+    assert sorted(node.robots) == sorted(f"{base}/{r}" for r in ROBOTS)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import platform
 import sys
@@ -54,6 +53,7 @@ from oxygen_ros.engine.config import MIB
 from oxygen_ros.engine.factory import ModelParts, build_engine, load_parts
 from oxygen_ros.engine.model_runner import ModelRunner, PrefillRow
 from oxygen_ros.bench.cpu_paths import cpu_kernel_choice, cpu_kernels
+from oxygen_ros.bench.table import Column, fmt, print_table, write_json
 from oxygen_ros.models import PRESETS, ROBOTS, get_preset, get_robot, load_tokenizer
 from oxygen_ros.models.tokenizer import TinyTokenizer
 from oxygen_ros.models.processing import ACTION_PROMPT, LANGUAGE_PROMPT
@@ -342,11 +342,10 @@ def _run(args: argparse.Namespace, config, tokenizer) -> int:
                      "preset": args.preset, "dtype": args.dtype, "robot": args.robot,
                      "frames": args.frames, "horizon": horizon, "args": vars(args), "rows": []}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
         # Written after every group too, so a run stopped by a time limit keeps what it measured.
-        out.write_text(json.dumps(results, indent=2, default=str))
+        write_json(out, results)
 
     # One group of interleaved settings per N: the action task alone (P, V, D), isolated (d = one
     # decode step of one request), shared_prefix and unified for every k; bounds use the group's own
@@ -466,8 +465,23 @@ def _row(setting: str, n: int, k: int | None, summary: dict, isolated: dict, hor
             "deadline_misses": summary["deadline_misses"]}
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+# The table of the rows (per-frame medians; means in the JSON).
+COLUMNS = [
+    Column("setting", 18, lambda r: r["setting"], "<"),
+    Column("N", 4, lambda r: str(r["N"])),
+    Column("k", 4, lambda r: fmt(r["k"], "d")),
+    Column("frame ms", 10, lambda r: f"{1e3 * r['frame_latency_s']:.1f}"),
+    Column("act Hz", 9, lambda r: f"{r['action_rate_hz']:.1f}"),
+    Column("tok/s", 9, lambda r: fmt(r["tokens_per_s"], ".0f")),
+    Column("speedup", 9, lambda r: f"{r['speedup']:.2f}x"),
+    Column("bound", 8, lambda r: fmt(r["bound"], ".2f")),
+    Column("%bound", 8, lambda r: fmt(r["pct_of_bound"], ".0f")),
+    Column("paper", 7, lambda r: fmt(r["paper"], ".2f")),
+    Column("batch", 7, lambda r: fmt(r["mean_batch"], ".1f")),
+    Column("vis/fr", 7, lambda r: f"{r['vision_calls_per_frame']:.1f}"),
+    Column("pref tok", 9, lambda r: f"{r['prefilled_tokens_per_frame']:.0f}"),
+    Column("pool MiB", 9, lambda r: f"{r['peak_pool_mib']:.2f}"),
+]
 
 
 def _print(results: dict) -> None:
@@ -481,33 +495,21 @@ def _print(results: dict) -> None:
     print(f"P = {1e3 * c['P']:.1f} ms (vision {1e3 * c['V']:.1f}), D = {1e3 * c['D']:.1f} ms, "
           f"d = {1e3 * c['d']:.2f} ms")
     print("frame ms / act Hz / speedup: per-frame medians (means in the JSON)")
-    header = (f"{'setting':<18}{'N':>4}{'k':>4}{'frame ms':>10}{'act Hz':>9}{'tok/s':>9}"
-              f"{'speedup':>9}{'bound':>8}{'%bound':>8}{'paper':>7}{'batch':>7}{'vis/fr':>7}"
-              f"{'pref tok':>9}{'pool MiB':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in results["rows"]:
-        print(f"{r['setting']:<18}{r['N']:>4}{_fmt(r['k'], 'd'):>4}"
-              f"{1e3 * r['frame_latency_s']:>10.1f}{r['action_rate_hz']:>9.1f}"
-              f"{_fmt(r['tokens_per_s'], '.0f'):>9}{r['speedup']:>8.2f}x"
-              f"{_fmt(r['bound'], '.2f'):>8}{_fmt(r['pct_of_bound'], '.0f'):>8}"
-              f"{_fmt(r['paper'], '.2f'):>7}{_fmt(r['mean_batch'], '.1f'):>7}"
-              f"{r['vision_calls_per_frame']:>7.1f}{r['prefilled_tokens_per_frame']:>9.0f}"
-              f"{r['peak_pool_mib']:>9.2f}")
+    print_table(COLUMNS, results["rows"])
     d = results["deadline"]
     print(f"\ndeadline mode: period {1e3 * d['control_period_s']:.1f} ms, N={d['N']}, "
           f"{d['frames']} frames: misses unified {d['unified_misses']}, isolated "
           f"{d['isolated_misses']}, unified k=1 {d['k1_misses']}; decode steps/frame "
-          f"{_fmt(d['unified_mean_decode_steps'], '.1f')}")
-    print(f"  tokens/s at the control period: deadline {_fmt(d['unified_tokens_per_s_at_period'], '.0f')}"
-          f" vs k=1 {_fmt(d['k1_tokens_per_s_at_period'], '.0f')} (per busy second: "
-          f"{_fmt(d['unified_tokens_per_s'], '.0f')} vs {_fmt(d['k1_tokens_per_s'], '.0f')}); "
-          f"completion p50 {_fmt(d['unified_completion_p50_s'], '.3f')} s vs "
-          f"{_fmt(d['k1_completion_p50_s'], '.3f')} s")
+          f"{fmt(d['unified_mean_decode_steps'], '.1f')}")
+    print(f"  tokens/s at the control period: deadline {fmt(d['unified_tokens_per_s_at_period'], '.0f')}"
+          f" vs k=1 {fmt(d['k1_tokens_per_s_at_period'], '.0f')} (per busy second: "
+          f"{fmt(d['unified_tokens_per_s'], '.0f')} vs {fmt(d['k1_tokens_per_s'], '.0f')}); "
+          f"completion p50 {fmt(d['unified_completion_p50_s'], '.3f')} s vs "
+          f"{fmt(d['k1_completion_p50_s'], '.3f')} s")
     print(f"  tokens/s of the window's {d['frames']} requests until the last completes: deadline "
-          f"{_fmt(d['unified_window_tokens_per_s'], '.0f')} ({_fmt(d['unified_window_drain_frames'], 'd')} "
-          f"drain frames) vs k=1 {_fmt(d['k1_window_tokens_per_s'], '.0f')} "
-          f"({_fmt(d['k1_window_drain_frames'], 'd')})")
+          f"{fmt(d['unified_window_tokens_per_s'], '.0f')} ({fmt(d['unified_window_drain_frames'], 'd')} "
+          f"drain frames) vs k=1 {fmt(d['k1_window_tokens_per_s'], '.0f')} "
+          f"({fmt(d['k1_window_drain_frames'], 'd')})")
     for key, label in (("batch_scaling", "one shared prefix"),
                        ("batch_scaling_cross_frame", "a prefix per request")):
         b = results[key]

@@ -26,7 +26,6 @@ a table on stdout, JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import sys
@@ -38,6 +37,7 @@ import torch
 
 from oxygen_ros.bench.cpu_paths import cpu_kernel_choice, cpu_kernels
 from oxygen_ros.bench.engine_bench import _observation_stream, speech
+from oxygen_ros.bench.table import Column, print_table, write_json
 from oxygen_ros.engine import EngineConfig
 from oxygen_ros.engine.engine import Engine
 from oxygen_ros.engine.factory import ModelParts, load_parts
@@ -195,7 +195,6 @@ def _run(args: argparse.Namespace, parts: ModelParts) -> int:
                "frames": args.frames, "args": vars(args), "rows": []}
     period = args.period_ms / 1e3
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     for robots in args.robots:
         settings = [FleetSetting(parts, config, robots, warmup), SeparateSetting(parts, config, robots, warmup)]
         try:
@@ -210,12 +209,26 @@ def _run(args: argparse.Namespace, parts: ModelParts) -> int:
         rows[1]["throughput_ratio"] = 1.0
         results["rows"] += rows
         results["control_period_s"] = period
-        out.write_text(json.dumps(results, indent=2, default=str))
+        write_json(out, results)
         print(f"[bench] R={robots}: fleet round {1e3 * rows[0]['round_p50_s']:.1f} ms, separate "
               f"{1e3 * rows[1]['round_p50_s']:.1f} ms", file=sys.stderr, flush=True)
     _print(results)
     print(f"\nJSON written to {out}")
     return 0
+
+
+COLUMNS = [
+    Column("R", 4, lambda r: str(r["robots"]), "<"),
+    Column("setting", 9, lambda r: r["setting"], "<"),
+    Column("robot act Hz", 13, lambda r: f"{r['robot_action_rate_hz']:.1f}"),
+    Column("aggr act Hz", 12, lambda r: f"{r['aggregate_action_rate_hz']:.1f}"),
+    Column("frame p50 ms", 13, lambda r: f"{1e3 * r['frame_p50_s']:.1f}"),
+    Column("frame p99 ms", 13, lambda r: f"{1e3 * r['frame_p99_s']:.1f}"),
+    Column("worst p99 ms", 13, lambda r: f"{1e3 * r['worst_robot_p99_s']:.1f}"),
+    Column("misses", 10, lambda r: f"{r['deadline_misses']}/{r['robot_frames']}"),
+    Column("tok/s", 9, lambda r: f"{r['tokens_per_s']:.0f}"),
+    Column("ratio", 8, lambda r: f"{r['throughput_ratio']:.2f}x"),
+]
 
 
 def _print(results: dict) -> None:
@@ -224,16 +237,7 @@ def _print(results: dict) -> None:
           f"H={results['horizon']}, {results['frames']} rounds/setting, {m['threads']} threads on "
           f"{m['device']} ({m['processor'] or m['platform']}); control period "
           f"{1e3 * results['control_period_s']:.1f} ms")
-    header = (f"{'R':>3} {'setting':<9}{'robot act Hz':>13}{'aggr act Hz':>12}{'frame p50 ms':>13}"
-              f"{'frame p99 ms':>13}{'worst p99 ms':>13}{'misses':>10}{'tok/s':>9}{'ratio':>7}")
-    print(header)
-    print("-" * len(header))
-    for r in results["rows"]:
-        print(f"{r['robots']:>3} {r['setting']:<9}{r['robot_action_rate_hz']:>13.1f}"
-              f"{r['aggregate_action_rate_hz']:>12.1f}{1e3 * r['frame_p50_s']:>13.1f}"
-              f"{1e3 * r['frame_p99_s']:>13.1f}{1e3 * r['worst_robot_p99_s']:>13.1f}"
-              f"{r['deadline_misses']:>5}/{r['robot_frames']:<4}{r['tokens_per_s']:>9.0f}"
-              f"{r['throughput_ratio']:>6.2f}x")
+    print_table(COLUMNS, results["rows"])
 
 
 if __name__ == "__main__":

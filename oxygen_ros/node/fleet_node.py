@@ -78,8 +78,11 @@ class FleetNode(Node):
     def __init__(self, node_name: str = "oxygen_fleet",
                  robot_parameters: Callable[[str], list[Parameter]] | None = None, **kwargs):
         super().__init__(node_name, **kwargs)
-        self.declare_parameter("robots", Parameter.Type.STRING_ARRAY,
-                               ParameterDescriptor(description="robot namespaces served from the start"))
+        # Read-only: at run time robots come and go through ~/add_robot and ~/remove_robot (a parameter
+        # update that changed nothing would be silently wrong).
+        self.declare_parameter("robots", Parameter.Type.STRING_ARRAY, ParameterDescriptor(
+            description="robot namespaces served from the start (at run time: ~/add_robot, ~/remove_robot)",
+            read_only=True))
         for name, (default, description) in FLEET_PARAMETERS.items():
             self.declare_parameter(name, default, ParameterDescriptor(description=description, read_only=True))
         self._robot_parameters = robot_parameters
