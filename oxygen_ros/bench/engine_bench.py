@@ -278,9 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--frames", type=int, default=30, help="measured frames per setting")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up frames (unified adds N/k)")
-    parser.add_argument("--n", type=int, nargs="+", default=[5, 10, 20, 30], help="decode lengths N")
+    parser.add_argument("--n", type=int, nargs="+", default=[5, 10, 20, 30],
+                        help="decode lengths N (the paper's N: each language task's max_new_tokens, no stop token)")
     parser.add_argument("--k", type=int, nargs="+", default=[1, 5, 10],
-                        help="decode steps per frame (the two-task mode uses 5 if listed, else the first)")
+                        help="decode steps per frame (the paper's k: the engine's decode_steps_per_cycle; the "
+                             "two-task mode uses 5 if listed, else the first)")
     parser.add_argument("--rounds", type=int, default=10,
                         help="rounds in which the settings of one group take turns (chunks of frames)")
     parser.add_argument("--deadline-frames", type=int, default=60)

@@ -19,7 +19,7 @@ from oxygen_ros.engine.kv_cache_manager import KVCacheManager
 from oxygen_ros.engine.model_io import ModelIO
 from oxygen_ros.engine.model_runner import ModelRunner, RunnerModel
 from oxygen_ros.engine.prefix_cache import PrefixPlanner
-from oxygen_ros.engine.scheduler import StepCostEstimator
+from oxygen_ros.engine.scheduler import Scheduler, StepCostEstimator
 
 
 class EngineCore:
@@ -81,3 +81,21 @@ class EngineCore:
     def release(self, robot: Hashable) -> None:
         """Return ``robot``'s share to the unassigned pages (no-op without one)."""
         self._shares.pop(robot, None)
+
+    def scheduler(self, config: EngineConfig, action_reserve_blocks: int, robot: Hashable = None,
+                  shared: bool = False) -> Scheduler:
+        """The :class:`Scheduler` of one robot's requests: over the whole pool, or (``shared``: a
+        fleet's lane) over ``robot``'s share of ``config.kv_budget_bytes``, assigned here and given
+        back when the scheduler refuses it.
+
+        Raises:
+            ValueError: the share does not fit (:meth:`assign`), or the pool (share) cannot hold
+                ``action_reserve_blocks``.
+        """
+        share = self.assign(robot, config.kv_budget_bytes) if shared else None
+        try:
+            return Scheduler(config, self.manager, action_reserve_blocks, share)
+        except ValueError:
+            if shared:
+                self.release(robot)
+            raise

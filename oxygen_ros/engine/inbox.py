@@ -14,7 +14,7 @@ from typing import Callable
 
 from oxygen_ros.engine.config import TaskConfig
 from oxygen_ros.engine.outputs import OutputAssembler
-from oxygen_ros.engine.request import Request
+from oxygen_ros.engine.request import Request, new_request_id
 from oxygen_ros.engine.scheduler import Scheduler
 from oxygen_ros.engine.types import Observation, RequestStatus
 
@@ -51,16 +51,24 @@ class Inbox:
         self._pending: list[Callable[[], None]] = []
         self.closed = False
 
-    def submit(self, submission: Submission) -> None:
-        """Queue ``submission`` for the next cycle.
+    def submit(self, task: TaskConfig, instruction: str | None) -> int:
+        """Queue a request of ``task`` (``instruction``: replaces the observation's, None: keep it)
+        for the next cycle; returns its new request id.
 
         Raises:
             RuntimeError: the engine was closed.
         """
+        submission = Submission(new_request_id(), task, instruction)
         with self._lock:
             if self.closed:
                 raise RuntimeError("engine is closed")
             self._submissions.append(submission)
+        return submission.request_id
+
+    def check_open(self) -> None:
+        """Raise RuntimeError (``engine is closed``) once :meth:`close` was called."""
+        if self.closed:
+            raise RuntimeError("engine is closed")
 
     def close(self) -> None:
         """Refuse further submissions."""
@@ -100,6 +108,12 @@ class Inbox:
         """End every submission no cycle has started with ``status``."""
         for submission in self._withdraw(lambda s: True):
             self.end_unstarted(submission, status)
+
+    def cancel_all(self) -> None:
+        """End every submission no cycle has started and every active request as ``cancelled``
+        (cycle thread)."""
+        self.withdraw_all(RequestStatus.CANCELLED)
+        self.cancel_requests(self._scheduler.active)
 
     def cancel(self, request_id: int) -> bool:
         """Cancel one request (see :meth:`Engine.cancel`); True if it was active."""

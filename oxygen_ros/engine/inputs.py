@@ -1,8 +1,10 @@
-"""What the engine reads from an observation: the camera images and their mask, prompt token ids
-within the model's prompt budget, and the language requests a cycle starts from it."""
+"""A cycle's observe step: what the engine reads from an observation (the camera images and their
+mask, prompt token ids within the model's prompt budget, the language requests a cycle starts from
+it) and what the observation changes (triggers, a new instruction); together a :class:`Frame`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Hashable
 
 import numpy as np
@@ -11,7 +13,24 @@ from oxygen_ros.engine.config import EngineConfig, TaskConfig
 from oxygen_ros.engine.inbox import Inbox
 from oxygen_ros.engine.model_io import ModelIO
 from oxygen_ros.engine.request import Request
+from oxygen_ros.engine.scheduler import Scheduler
+from oxygen_ros.engine.subtask import SubtaskState
+from oxygen_ros.engine.triggers import Triggers
 from oxygen_ros.engine.types import Observation, RequestStatus
+
+
+@dataclass
+class Frame:
+    """What a cycle's observe step read from one observation: the present cameras' ``images`` and
+    their ``mask``, the action prompt's token ids, the language ``requests`` it starts and the
+    ``subtask`` in the action prompt (None: the plain prompt)."""
+
+    obs: Observation
+    images: list[np.ndarray]
+    mask: tuple[bool, ...]
+    action_ids: tuple[int, ...]
+    requests: list[Request]
+    subtask: str | None = None
 
 
 class ObservationReader:
@@ -87,3 +106,44 @@ class ObservationReader:
                                     mask, t_arrival, request_id=submission.request_id, tag=obs.tag,
                                     instruction=instruction, subtask_source=own, robot=self._robot))
         return requests
+
+
+class Observer:
+    """The observe step of one robot's cycles; the one place where a new instruction is handled.
+
+    Args:
+        reader: reads the observation (cameras, prompts, requests).
+        triggers: when the language tasks fire.
+        subtask: the robot's latest subtask (π0.5's subtask loop; inert when off).
+        inbox: cross-thread cancellations and submissions.
+        scheduler: the active requests (a new instruction cancels some).
+    """
+
+    def __init__(self, reader: ObservationReader, triggers: Triggers, subtask: SubtaskState, inbox: Inbox,
+                 scheduler: Scheduler):
+        self._reader = reader
+        self._triggers = triggers
+        self._subtask = subtask
+        self._inbox = inbox
+        self._scheduler = scheduler
+
+    def observe(self, obs: Observation, t0: float) -> Frame:
+        """Apply the cross-thread cancellations, read the camera images, fire the triggers (a new
+        instruction clears the subtask and cancels the requests of tasks with
+        ``cancel_on_new_instruction``), choose the action prompt (the plain one, or the subtask prompt
+        once the loop has a subtask) and build the requests ``obs`` starts (arrival ``t0``, a
+        ``time.perf_counter()`` instant).
+
+        Raises:
+            ValueError: an unknown camera slot, no camera, or a prompt over the model's budget.
+        """
+        self._inbox.apply()
+        images, mask = self._reader.camera_images(obs)
+        fired, new_instruction = self._triggers.observe(obs)
+        if new_instruction:
+            self._subtask.new_instruction(obs.instruction)
+            self._inbox.cancel_requests([r for r in self._scheduler.active
+                                         if r.task.cancel_on_new_instruction])
+        action_ids, subtask = self._subtask.action_prompt(lambda template: self._reader.prompt_ids(template, obs))
+        requests = self._reader.requests(obs, mask, fired, self._inbox, t0)
+        return Frame(obs, images, mask, action_ids, requests, subtask)

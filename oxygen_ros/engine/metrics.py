@@ -132,6 +132,10 @@ class EngineMetrics:
         self._prefilled_tokens += record.prefilled_tokens
         self.peak_pool_bytes = max(self.peak_pool_bytes, record.pool_used_bytes)
 
+    def note_pool_peak(self, peak_bytes: int) -> None:
+        """Raise ``peak_pool_bytes`` to the pool's own peak ``peak_bytes`` [B] when that is higher."""
+        self.peak_pool_bytes = max(self.peak_pool_bytes, peak_bytes)
+
     def add_request(self, record: RequestRecord) -> None:
         """Count one ended request and keep it in the window."""
         self.requests.append(record)

@@ -107,6 +107,11 @@ class OutputAssembler:
         events, self._events = self._events, []
         return events
 
+    def take_with_memory(self) -> tuple[list[TextEvent], list[MemoryEntry]]:
+        """:meth:`take`, with the memory entries those events carry."""
+        events = self.take()
+        return events, memory_entries(events)
+
     def _emit(self, request: Request, delta: str, final: bool, memory: MemoryEntry | None = None) -> None:
         self._events.append(TextEvent(
             request.request_id, request.task.name, request.obs_seq, request.stamp, delta,

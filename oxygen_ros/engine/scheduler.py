@@ -134,6 +134,15 @@ class AdmissionPlan:
         return [admission.request for admission in self.admitted]
 
 
+def action_reserve_blocks(manager: KVCacheManager, cameras: int, image_tokens_per_camera: int,
+                          max_prompt_tokens: int | None) -> int:
+    """The action task's page reserve: its largest prefix (``cameras`` images of
+    ``image_tokens_per_camera`` tokens and a prompt of ``max_prompt_tokens``; None: no prompt
+    budget, counted as 0) plus one copy-on-write page for a fork. Language admission never charges
+    these pages, so every cycle can prefill its action prefix."""
+    return manager.blocks_for(cameras * image_tokens_per_camera + (max_prompt_tokens or 0)) + 1
+
+
 class Scheduler:
     """Waiting and running language requests over one KV pool.
 

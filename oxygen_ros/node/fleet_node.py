@@ -46,7 +46,8 @@ from oxygen_ros.engine.fleet import Fleet
 from oxygen_ros.engine.fleet_server import FleetServer, RobotClient
 from oxygen_ros.node.executor import TransitionExecutor
 from oxygen_ros.node.model_loading import load_parts, load_processor, model_key
-from oxygen_ros.node.oxygen_node import OxygenNode, _error_line
+from oxygen_ros.node.oxygen_node import OxygenNode
+from oxygen_ros.node.process import error_line as _error_line
 from oxygen_ros.node.parameters import NodeSettings
 from oxygen_ros.srv import FleetRobot
 
