@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -65,6 +66,21 @@ def start_executable(cwd, namespace: str | None = None, params_file=REPO_ROOT / 
     args = executable_command(namespace, params_file, overrides, executable)
     return subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ))
+
+
+def stop_process(process: subprocess.Popen, timeout: float) -> int:
+    """End a node process the way a user does: SIGINT if it still runs, then wait ``timeout`` s, then kill.
+
+    Returns:
+        The exit code (the kill's when the process ignored SIGINT for ``timeout`` s).
+    """
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
 
 
 def node_section(data: dict) -> dict:

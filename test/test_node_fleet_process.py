@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_support import FLEET_EXECUTABLE, assert_own_chunks, executable_command
+from node_support import FLEET_EXECUTABLE, assert_own_chunks, executable_command, stop_process
 
 pytestmark = pytest.mark.ros
 
@@ -80,13 +79,7 @@ def test_executable_serves_robots_and_ends_on_sigint(tmp_path):
             robot = subprocess.run(_robot_command(out, namespaces), cwd=tmp_path, capture_output=True, text=True,
                                    timeout=LONG + 120)
         finally:
-            if server.poll() is None:
-                server.send_signal(signal.SIGINT)
-            try:
-                server.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            stop_process(server, 120.0)
     log = (tmp_path / "server.log").read_text()
     assert robot.returncode == 0, robot.stdout + robot.stderr + log[-4000:]
     _assert_served(json.loads(out.read_text()), namespaces)

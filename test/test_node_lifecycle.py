@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 
 import pytest
 
-from node_support import JOINTS, Harness, start_executable, tiny_parameters, wait_for
+from node_support import JOINTS, Harness, start_executable, stop_process, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 
@@ -364,11 +363,5 @@ def test_an_open_ask_goal_gets_its_result_on_shutdown_and_deactivate(transition,
             assert process.returncode == 0, output
             assert "Traceback" not in output, output
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=30.0)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process, 30.0)
         robot.close()

@@ -28,7 +28,7 @@ namespace at run time; the other robots keep running.
 from __future__ import annotations
 
 import re
-import sys
+import signal
 import threading
 import time
 from dataclasses import replace
@@ -47,7 +47,7 @@ from oxygen_ros.engine.fleet_server import FleetServer, RobotClient
 from oxygen_ros.node.executor import TransitionExecutor
 from oxygen_ros.node.model_loading import load_parts, load_processor, model_key
 from oxygen_ros.node.oxygen_node import OxygenNode
-from oxygen_ros.node.process import error_line as _error_line
+from oxygen_ros.node.process import error_line as _error_line, run_process
 from oxygen_ros.node.parameters import NodeSettings
 from oxygen_ros.srv import FleetRobot
 
@@ -228,48 +228,31 @@ def _absolute(robot: str) -> str:
 def main(args=None) -> int:
     """Run ``oxygen_fleet_node`` until SIGINT / SIGTERM; returns the exit code (0; 2 when the command line or
     a parameter is rejected before the node exists)."""
-    import signal
+    return run_process("oxygen_fleet_node", FleetNode, _spin, args)
 
-    from rclpy.signals import SignalHandlerOptions
 
-    received: list[int] = []
+def _spin(fleet: "FleetNode", received: list[int]) -> int:
+    """Spin ``fleet`` until a signal is in ``received``, then stop every robot and tear down (0)."""
+    executor = TransitionExecutor(fleet.runs_long, context=fleet.context)
+    executor.add_node(fleet)
+    fleet.attach(executor)
+    logger = fleet.get_logger()
     try:
-        rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
-    except Exception as error:  # rcl's argument / params-file parsing
-        print(f"oxygen_fleet_node: {_error_line(error)}", file=sys.stderr)
-        return 2
-    previous = {signum: signal.signal(signum, lambda signum, _frame: received.append(signum))
-                for signum in (signal.SIGINT, signal.SIGTERM)}
+        while not received and rclpy.ok():
+            executor.spin_once(timeout_sec=0.1)
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    start = time.monotonic()
+    if received:
+        logger.info(f"{signal.Signals(received[0]).name}: stopping")
     try:
-        try:
-            fleet = FleetNode()
-        except (InvalidParameterTypeException, InvalidParameterValueException) as error:
-            print(f"oxygen_fleet_node: invalid parameter: {_error_line(error)}", file=sys.stderr)
-            rclpy.try_shutdown()
-            return 2
-        executor = TransitionExecutor(fleet.runs_long, context=fleet.context)
-        executor.add_node(fleet)
-        fleet.attach(executor)
-        logger = fleet.get_logger()
-        try:
-            while not received and rclpy.ok():
-                executor.spin_once(timeout_sec=0.1)
-        except (KeyboardInterrupt, ExternalShutdownException):
-            pass
-        start = time.monotonic()
-        if received:
-            logger.info(f"{signal.Signals(received[0]).name}: stopping")
-        try:
-            executor.shutdown(timeout_sec=5.0)     # a transition in progress ends first
-            fleet.close()
-            fleet.destroy_node()
-            logger.info(f"ended {time.monotonic() - start:.2f} s after the signal")
-        finally:
-            rclpy.try_shutdown()
-        return 0
+        executor.shutdown(timeout_sec=5.0)     # a transition in progress ends first
+        fleet.close()
+        fleet.destroy_node()
+        logger.info(f"ended {time.monotonic() - start:.2f} s after the signal")
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        rclpy.try_shutdown()
+    return 0
 
 
 if __name__ == "__main__":    # python -m oxygen_ros.node.fleet_node --ros-args ...

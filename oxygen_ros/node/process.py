@@ -43,6 +43,24 @@ def main(args=None) -> int:
     2 when the command line, the params file or a parameter value is rejected before the node exists (a
     missing or malformed params file, a wrong type, a value out of range): one line on stderr.
     """
+    return run_process("oxygen_node", OxygenNode, _spin, args)
+
+
+def run_process(program: str, make_node, spin, args=None) -> int:
+    """The frame every node process of this package shares: ``rclpy.init`` without rclpy's signal handlers,
+    SIGINT / SIGTERM recorded in a list, the node built by ``make_node()``, then ``spin(node, received)``
+    (which spins until a signal is in ``received`` and ends the node cleanly) returns the exit code.
+
+    Args:
+        program: the executable's name, first word of the one-line errors on stderr.
+        make_node: builds the node (rclpy's parameter exceptions mean a rejected parameter).
+        spin: ``(node, received: list[int]) -> int``.
+        args: the command line for ``rclpy.init`` (None: ``sys.argv``).
+
+    Returns:
+        ``spin``'s exit code; 2 when the command line, the params file or a parameter value is rejected
+        before the node exists (one line on stderr).
+    """
     received: list[int] = []
 
     def on_signal(signum, _frame) -> None:
@@ -53,17 +71,17 @@ def main(args=None) -> int:
         # could be published: the node handles SIGINT / SIGTERM itself.
         rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
     except Exception as error:  # rcl's argument / params-file parsing
-        print(f"oxygen_node: {error_line(error)}", file=sys.stderr)
+        print(f"{program}: {error_line(error)}", file=sys.stderr)
         return 2
     previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
-            node = OxygenNode()
+            node = make_node()
         except (InvalidParameterTypeException, InvalidParameterValueException) as error:
-            print(f"oxygen_node: invalid parameter: {error_line(error)}", file=sys.stderr)
+            print(f"{program}: invalid parameter: {error_line(error)}", file=sys.stderr)
             rclpy.try_shutdown()
             return 2
-        return _spin(node, received)
+        return spin(node, received)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
