@@ -271,3 +271,5 @@ def test_statistics_come_from_the_checkpoint_or_fail_saying_what_is_missing(tmp_
         assert "\n" not in str(error.value)
         for word in words:
             assert word in str(error.value), (directory, str(error.value))
+    with pytest.raises(FileNotFoundError, match="checkpoint .*missing does not exist"):
+        load_statistics(SimpleNamespace(checkpoint=str(tmp_path / "missing"), norm_stats_path="", conventions=droid))

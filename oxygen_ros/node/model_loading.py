@@ -11,6 +11,8 @@ configuration is ``settings.engine``, built and validated once from the paramete
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from oxygen_ros.engine import Engine, factory
@@ -42,8 +44,10 @@ def load_statistics(settings: NodeSettings) -> dict[str, NormStats] | None:
     Raises:
         ValueError: ``norm_stats_path`` and the checkpoint's statistics differ (both named), or a
             checkpoint whose family normalises but no statistics anywhere.
-        FileNotFoundError: ``norm_stats_path`` does not exist.
+        FileNotFoundError: ``norm_stats_path`` or the ``checkpoint`` directory does not exist.
     """
+    if settings.checkpoint and not Path(settings.checkpoint).exists():
+        raise FileNotFoundError(f"checkpoint {settings.checkpoint} does not exist")
     conv = settings.conventions
     explicit = load_norm_stats(settings.norm_stats_path) if settings.norm_stats_path else None
     carried = find_norm_stats(settings.checkpoint, conv) if settings.checkpoint else None
