@@ -100,7 +100,7 @@ class Engine:
             deadline = t0 + self.config.action.control_period_s if deadline is None else deadline
             try:
                 self._work.meter = meter = self._meter()
-                frame = self._observe(obs, t0)
+                frame = self._observer.observe(obs, t0)
                 # act: encode, prefill, denoise, hand out
                 features = self._work.encode(frame.images)
                 chunk = self._act(obs, self._mode.action_job(obs, frame.mask, frame.action_ids, features,
@@ -121,9 +121,6 @@ class Engine:
             self._metrics.add_cycle(record)
             self._metrics.note_pool_peak(self._pool.peak_used_bytes)
             return CycleResult(chunk, self._outputs.take(), record)
-
-    def _observe(self, obs: Observation, t0: float) -> Frame:
-        return self._observer.observe(obs, t0)
 
     def _act(self, obs: Observation, job: PrefixJob, t0: float, subtask: str | None = None) -> ActionChunk:
         chunk = self._action.run(obs, job, t0, self._work.meter, subtask)

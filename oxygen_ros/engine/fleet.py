@@ -44,7 +44,8 @@ import torch
 
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.core import EngineCore
-from oxygen_ros.engine.engine import Engine, Frame
+from oxygen_ros.engine.engine import Engine
+from oxygen_ros.engine.inputs import Frame
 from oxygen_ros.engine.meter import CycleMeter
 from oxygen_ros.engine.metrics import CycleRecord
 from oxygen_ros.engine.modes import admission_budget, decode_within_budget
@@ -257,7 +258,7 @@ class Fleet:
             for robot in order:
                 lane, obs = self._lanes[robot], observations[robot]
                 try:
-                    frames[robot] = lane._observe(obs, t0)
+                    frames[robot] = lane._observer.observe(obs, t0)
                 except ValueError as error:
                     lane._inbox.abandon(obs)
                     result.errors[robot] = error
