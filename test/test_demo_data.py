@@ -106,6 +106,47 @@ def test_dataset_is_deterministic_and_round_trips_through_hdf5(episode, tmp_path
     assert 0.0 < low < 1.0 and high == 1.0
 
 
+def test_dart_noise_moves_the_states_and_the_labels_lead_back_to_the_expert(episode):
+    """DART-style demonstrations: the replay executes the expert's targets plus smooth noise on the arm joints
+    only, in the approach and carry windows only; the recorded labels are the expert's own targets, taken at
+    the nominal step nearest each recorded state; the noisy replay still transfers the cube."""
+    pytest.importorskip("gym_aloha")
+    from oxygen_ros.tools import demo_data as dd
+
+    steps = len(episode.action)
+    noise = dd.perturbation(SEED, steps, 0.08)
+    np.testing.assert_array_equal(noise, dd.perturbation(SEED, steps, 0.08))       # seeded
+    assert not dd.perturbation(SEED, steps, 0.0).any()
+    assert not noise[:, [6, 13]].any()                                               # grippers untouched
+    t = np.arange(steps) * dd.DT
+    quiet = np.ones(steps, bool)
+    for start, end, _ in dd._PERTURB_WINDOWS:
+        quiet &= ~((t >= start) & (t <= end))
+    assert not noise[quiet].any() and np.abs(noise[~quiet]).max() > 0.0             # only inside the windows
+    inside = noise[~quiet][:, dd._ARM_JOINTS]
+    lag1 = np.corrcoef(inside[:-1].ravel(), inside[1:].ravel())[0, 1]
+    assert lag1 > 0.8                                                                # correlated in time, not white
+
+    noisy = dd.generate_episode(SEED, image_every=IMAGE_EVERY, cameras=(), perturb=0.08)
+    assert noisy.perturb_scale > 0.0 and bool(noisy.phases[-1, 3])
+    deviation = np.abs(noisy.qpos - episode.qpos).max(axis=1)
+    assert deviation.max() > 0.01                                                    # the states left the path
+    # Every label is one of the expert's targets, near its own step; where nothing deviated it is the step's own.
+    expert = {row.tobytes(): k for k, row in enumerate(episode.action)}
+    index = np.array([expert[row.tobytes()] for row in noisy.action])
+    assert np.abs(index - np.arange(steps)).max() <= dd._PROJECT_WINDOW
+    untouched = np.flatnonzero(np.abs(noisy.qpos - episode.qpos).max(axis=1) <= 1e-6)
+    np.testing.assert_array_equal(index[untouched], untouched)
+    np.testing.assert_array_equal(noisy.subtask, episode.subtask[index])
+
+    # project_labels by hand: a state equal to the nominal state of a later step takes that step's label.
+    nominal = np.outer(np.arange(10.0), np.ones(14)) * 0.1
+    states = nominal.copy()
+    states[3] = nominal[5]
+    np.testing.assert_array_equal(dd.project_labels(states, nominal, np.arange(10) == 3),
+                                  [0, 1, 2, 5, 4, 5, 6, 7, 8, 9])
+
+
 def test_bad_settings_raise():
     pytest.importorskip("gym_aloha")
     from oxygen_ros.tools.demo_data import generate_dataset, generate_episode
@@ -114,6 +155,8 @@ def test_bad_settings_raise():
         generate_episode(0, image_every=0)
     with pytest.raises(ValueError, match="unknown cameras"):
         generate_episode(0, cameras=("front",))
+    with pytest.raises(ValueError, match="perturb"):
+        generate_episode(0, perturb=-0.1)
     with pytest.raises(ValueError, match="episodes"):
         generate_dataset("/nonexistent/never-written", episodes=0)
 

@@ -287,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
                 log.error(f"the simulated robot exited ({robot.returncode}); see {run_dir / 'sim_robot.log'}")
                 break
             if follower.first_chunk_time is None:
+                if oxygen.autostart_failed is not None:
+                    log.error(f"the oxygen node's {oxygen.autostart_failed} failed (reason above); no action "
+                              "chunk will come")
+                    break
                 if now > startup_deadline:
                     log.error(f"no action chunk within {args.startup_timeout:g} s")
                     break

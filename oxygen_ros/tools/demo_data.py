@@ -448,6 +448,7 @@ class Episode:
         phases: bool ``[T, 4]`` :func:`phase_flags` after each step.
         expert_phases: bool ``[4]`` the phases the expert reached in the end-effector scene.
         cube_start: float ``[3]`` the cube's resting centre [m].
+        perturb_scale: the fraction of the DART noise the replay executed (0: the nominal replay).
     """
 
     seed: int
@@ -461,6 +462,7 @@ class Episode:
     phases: np.ndarray
     expert_phases: np.ndarray
     cube_start: np.ndarray
+    perturb_scale: float = 0.0
 
     @property
     def outcome(self) -> np.ndarray:
@@ -506,35 +508,91 @@ def expert_joint_trajectory(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return actions, subtask, reached
 
 
-def generate_episode(seed: int, image_every: int = 5, width: int = 320, height: int = 240,
-                     cameras: tuple[str, ...] = CAMERAS) -> Episode:
-    """One demonstration: the expert's joint trajectory replayed in the demo robot's joint-space scene.
+# DART-style noise injection (Laskey et al. 2017, "DART: Noise Injection for Robust Imitation Learning"):
+# the replay executes the expert's targets plus smooth noise on the 12 arm joints, so the recorded states
+# leave the nominal path; the labels stay the expert's targets (absolute positions, so they lead back).
+PERTURB_SIGMA = 0.08          # default stationary std of the noise per arm joint [rad] (before the episode's scale)
+_PERTURB_TAU = 0.3            # correlation time of the noise (Ornstein-Uhlenbeck) [s]
+_PERTURB_WINDOWS = ((0.0, 1.6, 1.0), (3.7, 5.6, 0.5))   # (start [s], end [s], gain): approach; lift and carry
+_PERTURB_FADE = 0.2           # the gain ramps in and out over this [s] (no step in the targets)
+_ARM_JOINTS = np.r_[0:6, 7:13]
+_PROJECT_WINDOW = 25          # labels may come from up to this many steps before or after the step
+_PROJECT_TIME_COST = 2e-5     # [rad^2 per step^2]: ties (a static arm) go to the step's own time
+_PERTURB_RETRIES = (1.0, 0.5, 0.0)   # scales tried in turn until the perturbed replay still transfers
+
+
+def perturbation(seed: int, steps: int, sigma: float) -> np.ndarray:
+    """The noise added to the executed targets of episode ``seed``: float ``[steps, 14]`` [rad].
+
+    An Ornstein-Uhlenbeck process per arm joint (stationary std ``sigma`` × the episode's scale, correlation
+    time ``_PERTURB_TAU``), multiplied by the gain of ``_PERTURB_WINDOWS`` at each step's time; zero on the
+    grippers, and zero around the grasp and the hand-over, where a push would knock the cube and make the
+    expert's targets wrong. The episode's scale is uniform in [0, 1) (from ``seed``), so the data also
+    cover small deviations. ``sigma`` = 0 gives zeros.
+    """
+    noise = np.zeros((steps, 14))
+    if sigma <= 0:
+        return noise
+    rng = np.random.default_rng([seed, 0xDA27])
+    scale = rng.uniform()
+    a = math.exp(-DT / _PERTURB_TAU)
+    x = rng.normal(0.0, sigma, len(_ARM_JOINTS))
+    for k in range(steps):
+        t = k * DT
+        gain = 0.0
+        for start, end, g in _PERTURB_WINDOWS:
+            ramp = min(t - start, end - t) / _PERTURB_FADE
+            gain = max(gain, g * min(1.0, max(0.0, ramp)) if start <= t <= end else 0.0)
+        noise[k, _ARM_JOINTS] = scale * gain * x
+        x = a * x + math.sqrt(1.0 - a * a) * rng.normal(0.0, sigma, len(_ARM_JOINTS))
+    return noise
+
+
+def project_labels(qpos: np.ndarray, nominal_qpos: np.ndarray, perturbed: np.ndarray) -> np.ndarray:
+    """For each step, the step of the nominal (unperturbed) replay whose joint state is nearest: int ``[T]``.
+
+    Searched within ±``_PROJECT_WINDOW`` steps of the step's own time, with a small cost per step of time
+    shift (``_PROJECT_TIME_COST``), over all 14 joint-state dimensions (the gripper openings are the clock
+    while the arms stand). Steps with ``perturbed`` False (and no deviation) map to themselves. This makes
+    the labels a function of the state rather than of the script's clock: an arm pushed ahead along its path
+    is labelled with the expert's later targets, not told to go back.
 
     Args:
-        seed: cube pose seed (same seed ⇒ identical arrays on one machine and MuJoCo build).
-        image_every: render the cameras every this many control steps (≥ 1).
-        width, height: image size [px] (the demo robot's default 320 x 240).
-        cameras: which cameras to render (empty: none).
-
-    Raises:
-        ValueError: ``image_every`` < 1 or an unknown camera.
-        RuntimeError: the replay's physics went unstable (the scene reset itself; never seen with this
-            expert, but such an episode must not be stored).
+        qpos: float ``[T, 14]`` the perturbed replay's states; nominal_qpos: float ``[T, 14]`` the nominal
+            replay's; perturbed: bool ``[T]`` steps whose state may be off the nominal path.
     """
+    steps = len(qpos)
+    index = np.arange(steps)
+    for k in np.flatnonzero(perturbed):
+        lo, hi = max(0, k - _PROJECT_WINDOW), min(steps, k + _PROJECT_WINDOW + 1)
+        cand = np.arange(lo, hi)
+        cost = ((nominal_qpos[lo:hi] - qpos[k]) ** 2).sum(axis=1) + _PROJECT_TIME_COST * (cand - k) ** 2
+        index[k] = cand[int(np.argmin(cost))]
+    return index
+
+
+@dataclasses.dataclass
+class _Replay:
+    qpos: np.ndarray
+    qvel: np.ndarray
+    phases: np.ndarray
+    captions: list[str]
+    images: dict[str, np.ndarray]
+    image_steps: np.ndarray
+    rest: np.ndarray
+
+
+def _replay(seed: int, targets: np.ndarray, image_every: int, width: int, height: int,
+            cameras: tuple[str, ...]) -> _Replay:
+    """Execute ``targets`` (float ``[T, 14]``) in the joint-space scene; render ``cameras`` (none: physics only)."""
     from oxygen_ros.tools.sim_robot import AlohaScene
 
-    if image_every < 1:
-        raise ValueError(f"image_every must be >= 1, got {image_every}")
-    unknown = set(cameras) - set(CAMERAS)
-    if unknown:
-        raise ValueError(f"unknown cameras {sorted(unknown)}; the scene's are {CAMERAS}")
-    actions, subtask, expert = expert_joint_trajectory(seed)
     scene = AlohaScene(width=width, height=height, seed=seed)
     try:
         scene.step(_SETTLE_S)
         geoms = _Geoms(scene.model)
         rest = scene_state(scene.model, scene.data, geoms).cube
-        steps = len(actions)
+        steps = len(targets)
         qpos = np.empty((steps, 14), np.float32)
         qvel = np.empty((steps, 14), np.float32)
         phases = np.empty((steps, 4), bool)
@@ -549,15 +607,62 @@ def generate_episode(seed: int, image_every: int = 5, width: int = 320, height: 
             if k % image_every == 0:
                 for camera in cameras:
                     images[camera][k // image_every] = scene.render(camera)
-            scene.set_action(actions[k])
+            scene.set_action(targets[k])
             scene.step(DT)
             phases[k] = phase_flags(scene_state(scene.model, scene.data, geoms), rest[2])
         if scene.resets:
             raise RuntimeError(f"episode {seed}: the physics went unstable during the replay")
     finally:
         scene.close()
-    return Episode(seed=seed, qpos=qpos, qvel=qvel, action=actions, images=images, image_steps=image_steps,
-                   subtask=subtask, caption=captions, phases=phases, expert_phases=expert, cube_start=rest)
+    return _Replay(qpos, qvel, phases, captions, images, image_steps, rest)
+
+
+def generate_episode(seed: int, image_every: int = 5, width: int = 320, height: int = 240,
+                     cameras: tuple[str, ...] = CAMERAS, perturb: float = 0.0) -> Episode:
+    """One demonstration: the expert's joint trajectory replayed in the demo robot's joint-space scene.
+
+    Args:
+        seed: cube pose seed (same seed ⇒ identical arrays on one machine and MuJoCo build).
+        image_every: render the cameras every this many control steps (≥ 1).
+        width, height: image size [px] (the demo robot's default 320 x 240).
+        cameras: which cameras to render (empty: none).
+        perturb: DART noise std per arm joint [rad] (:func:`perturbation`; 0: the nominal replay). With
+            noise, the executed targets are the expert's plus the noise, the recorded ``action`` and
+            ``subtask`` are the expert's at the nominal step nearest each recorded state
+            (:func:`project_labels`); if the perturbed replay no longer transfers the cube, the noise is
+            halved, then dropped (``Episode.perturb_scale`` says which was kept).
+
+    Raises:
+        ValueError: ``image_every`` < 1, ``perturb`` < 0 or an unknown camera.
+        RuntimeError: the replay's physics went unstable (the scene reset itself; never seen with this
+            expert, but such an episode must not be stored).
+    """
+    if image_every < 1:
+        raise ValueError(f"image_every must be >= 1, got {image_every}")
+    if perturb < 0:
+        raise ValueError(f"perturb must be >= 0, got {perturb}")
+    unknown = set(cameras) - set(CAMERAS)
+    if unknown:
+        raise ValueError(f"unknown cameras {sorted(unknown)}; the scene's are {CAMERAS}")
+    actions, subtask, expert = expert_joint_trajectory(seed)
+    labels, label_subtask, scale = actions, subtask, 0.0
+    targets = actions
+    if perturb > 0:
+        nominal = _replay(seed, actions, len(actions), width, height, ())
+        noise = perturbation(seed, len(actions), perturb)
+        for scale in _PERTURB_RETRIES:
+            targets = (actions + scale * noise).astype(np.float32)
+            trial = _replay(seed, targets, len(actions), width, height, ())
+            if scale == 0.0 or trial.phases[-1, 3]:
+                break
+        if scale > 0:
+            deviated = np.abs(trial.qpos - nominal.qpos).max(axis=1) > 1e-6
+            index = project_labels(trial.qpos, nominal.qpos, deviated)
+            labels, label_subtask = actions[index], subtask[index]
+    run = _replay(seed, targets, image_every, width, height, cameras)
+    return Episode(seed=seed, qpos=run.qpos, qvel=run.qvel, action=np.ascontiguousarray(labels, np.float32),
+                   images=run.images, image_steps=run.image_steps, subtask=label_subtask, caption=run.captions,
+                   phases=run.phases, expert_phases=expert, cube_start=run.rest, perturb_scale=scale)
 
 
 def write_episode(episode: Episode, path: str | Path, compression: str | None = "gzip") -> Path:
@@ -568,7 +673,7 @@ def write_episode(episode: Episode, path: str | Path, compression: str | None = 
     ``/observations/image_steps`` int32 ``[N]``; ``/subtask`` and ``/caption`` UTF-8 strings ``[T]``;
     ``/subtask_index`` int8 ``[T]``; ``/phases`` bool ``[T, 4]``. Attributes: ``sim`` (True), ``seed``,
     ``dt`` [s], ``instruction``, ``joint_names``, ``subtasks``, ``phase_names``, ``outcome`` and
-    ``expert_outcome`` (bool ``[4]``), ``cube_start`` [m], ``image_every``.
+    ``expert_outcome`` (bool ``[4]``), ``cube_start`` [m], ``image_every``, ``perturb_scale``.
 
     Returns:
         the path written.
@@ -582,7 +687,7 @@ def write_episode(episode: Episode, path: str | Path, compression: str | None = 
         f.attrs.update({"sim": True, "seed": episode.seed, "dt": DT, "instruction": INSTRUCTION,
                         "joint_names": list(JOINTS), "subtasks": list(SUBTASKS), "phase_names": list(PHASES),
                         "outcome": episode.outcome, "expert_outcome": episode.expert_phases,
-                        "cube_start": episode.cube_start,
+                        "cube_start": episode.cube_start, "perturb_scale": episode.perturb_scale,
                         "image_every": int(episode.image_steps[1] - episode.image_steps[0])
                         if len(episode.image_steps) > 1 else len(episode.action)})
         obs = f.create_group("observations")
@@ -619,7 +724,7 @@ def read_episode(path: str | Path) -> Episode:
             image_steps=f["observations/image_steps"][()], subtask=subtask,
             caption=[s.decode() if isinstance(s, bytes) else s for s in f["caption"][()]],
             phases=f["phases"][()], expert_phases=np.asarray(f.attrs["expert_outcome"], bool),
-            cube_start=np.asarray(f.attrs["cube_start"]))
+            cube_start=np.asarray(f.attrs["cube_start"]), perturb_scale=float(f.attrs.get("perturb_scale", 0.0)))
 
 
 def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
@@ -634,22 +739,24 @@ def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float
 
 def _generate_and_write(job: tuple) -> dict:
     """One episode: generate, write, return its ``dataset.json`` record (a pool worker's unit of work)."""
-    i, seed, image_every, width, height, out = job
+    i, seed, image_every, width, height, out, perturb = job
     start = time.perf_counter()
-    episode = generate_episode(seed, image_every=image_every, width=width, height=height)
+    episode = generate_episode(seed, image_every=image_every, width=width, height=height, perturb=perturb)
     write_episode(episode, Path(out) / f"episode_{i}.hdf5")
     return {"file": f"episode_{i}.hdf5", "seed": seed, "steps": len(episode.action),
             "images_per_camera": len(episode.image_steps),
             "outcome": dict(zip(PHASES, map(bool, episode.outcome))),
             "expert_outcome": dict(zip(PHASES, map(bool, episode.expert_phases))),
+            "perturb_scale": episode.perturb_scale,
             "seconds": round(time.perf_counter() - start, 3)}
 
 
 def generate_dataset(out_dir: str | Path, episodes: int, seed: int = 0, image_every: int = 5, width: int = 320,
-                     height: int = 240, progress: bool = True, workers: int = 1) -> dict:
+                     height: int = 240, progress: bool = True, workers: int = 1, perturb: float = 0.0) -> dict:
     """Generate ``episodes`` demonstrations (cube seeds ``seed .. seed + episodes - 1``) into ``out_dir``
     as ``episode_<i>.hdf5`` plus ``dataset.json`` (the recipe, each episode's outcome, the expert's
     success rate per phase with its 95 % Wilson interval, and the measured seconds per episode).
+    ``perturb``: DART noise std per arm joint [rad] (:func:`generate_episode`; 0: nominal replays).
 
     Returns:
         the content of ``dataset.json``.
@@ -666,7 +773,7 @@ def generate_dataset(out_dir: str | Path, episodes: int, seed: int = 0, image_ev
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records = []
-    jobs = [(i, seed + i, image_every, width, height, str(out)) for i in range(episodes)]
+    jobs = [(i, seed + i, image_every, width, height, str(out), perturb) for i in range(episodes)]
     bar = tqdm(total=episodes, desc="demonstrations", unit="episode", disable=not progress)
     # Each episode depends only on its own seed, so a pool of processes gives the same files as one
     # process (rendering is single-threaded: one worker per core). Spawned, not forked: MuJoCo's GL
@@ -694,6 +801,7 @@ def generate_dataset(out_dir: str | Path, episodes: int, seed: int = 0, image_ev
                           "ci95": [round(low, 4), round(high, 4)]}
     summary = {"instruction": INSTRUCTION, "subtasks": list(SUBTASKS), "cameras": list(CAMERAS),
                "width": width, "height": height, "dt": DT, "image_every": image_every, "seed": seed,
+               "perturb": perturb,
                "success": success, "seconds_per_episode": round(float(np.mean([r["seconds"] for r in records])), 3),
                "episodes": records}
     (out / "dataset.json").write_text(json.dumps(summary, indent=2))
@@ -715,6 +823,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="episodes generated in parallel processes (default: the number of CPUs; "
                              "the files do not depend on it)")
+    parser.add_argument("--perturb", type=float, default=PERTURB_SIGMA,
+                        help="DART noise on the executed arm targets, std per joint [rad] (default "
+                             f"{PERTURB_SIGMA}; 0: the expert's nominal replay)")
     return parser.parse_args(argv)
 
 
@@ -722,7 +833,7 @@ def main(argv: list[str] | None = None) -> int:
     """Generate the dataset and print the expert's success rate per phase."""
     args = parse_args(argv)
     summary = generate_dataset(args.out, args.episodes, args.seed, args.image_every, args.width, args.height,
-                               workers=args.workers)
+                               workers=args.workers, perturb=args.perturb)
     for phase, s in summary["success"].items():
         print(f"expert {phase:11s} {s['successes']}/{s['episodes']} = {s['rate']:.0%} "
               f"(95 % CI {s['ci95'][0]:.0%}-{s['ci95'][1]:.0%})")
