@@ -400,7 +400,7 @@ def run_sync_episode(policy, seed: int, execute_steps: int, max_steps: int = EPI
     Raises:
         ValueError: ``ensemble_m`` not finite.
     """
-    executor = ChunkExecutor(ensemble_m, ENSEMBLE_MAX_CHUNKS, index_rule="round")
+    chunk_executor = ChunkExecutor(ensemble_m, ENSEMBLE_MAX_CHUNKS, index_rule="round")
     sim = EpisodeSim(seed, 0.0, width, height)
     policy.start(seed)
     speech, memory, latencies, inference = [], [], [], []
@@ -413,10 +413,10 @@ def run_sync_episode(policy, seed: int, execute_steps: int, max_steps: int = EPI
             inference.append(step.inference_latency_s)
             speech += step.speech
             memory += step.memory
-            executor.add(t, DT, step.actions)
+            chunk_executor.add(t, DT, step.actions)
             n = min(execute_steps, max_steps - sim.step_index, len(step.actions))
             for _ in range(n):
-                sim.execute(executor.action_at(sim.now_s))
+                sim.execute(chunk_executor.action_at(sim.now_s))
             if isinstance(policy, ExpertPolicy):
                 policy.advance(n)
         policy.finish()
@@ -481,7 +481,7 @@ def _lockstep_worker(spec: dict) -> int:
         return Time(sec=ns // 10**9, nanosec=ns % 10**9)
 
     sim = EpisodeSim(spec["seed"], spec["clock_offset_s"])
-    executor = ChunkExecutor(spec.get("ensemble_m", 0.0), ENSEMBLE_MAX_CHUNKS, index_rule="round")
+    chunk_executor = ChunkExecutor(spec.get("ensemble_m", 0.0), ENSEMBLE_MAX_CHUNKS, index_rule="round")
     latencies, frames, aborted = [], [], None    # frames: (stamp t [s], frame to chunk [s], sends of the inputs)
     wall = time.perf_counter()
     try:
@@ -528,13 +528,13 @@ def _lockstep_worker(spec: dict) -> int:
             latencies.append(chunk[3] - sent)
             frames.append((t, chunk[3] - sent, sends))
             try:
-                executor.add(chunk[0], chunk[1], chunk[2])
+                chunk_executor.add(chunk[0], chunk[1], chunk[2])
             except ValueError as err:       # e.g. non-finite actions: never executed
                 aborted = f"the action chunk for the observation at {t:.3f} s was rejected: {err}"
                 break
             n = min(spec["execute_steps"], spec["max_steps"] - sim.step_index)
             for _ in range(n):
-                sim.execute(executor.action_at(sim.now_s))
+                sim.execute(chunk_executor.action_at(sim.now_s))
                 clock_pub.publish(Clock(clock=stamp(sim.now_s)))
         record = sim.trace()
         record.update(latencies=latencies, frames=frames, chunks=len(latencies), wall_s=time.perf_counter() - wall,
