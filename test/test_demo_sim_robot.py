@@ -149,3 +149,36 @@ def test_instability_resets_the_scene_and_shutdown_ends_the_threads_quietly(ros_
         robot.destroy_node()
     assert not errors, errors
     assert all(not thread.is_alive() for thread in robot._threads)
+
+
+def test_temporal_ensemble_parameter_averages_overlapping_chunks(ros_context):
+    """``temporal_ensemble_m`` turns on ACT's temporal ensembling of the chunks received (off by default: the
+    newest chunk wins); a non-finite chunk is rejected and counted; a bad value fails the robot's start."""
+    pytest.importorskip("gym_aloha")
+    import math
+
+    from rclpy.parameter import Parameter
+
+    from oxygen_ros.msg import ActionChunk
+    from oxygen_ros.tools.sim_robot import SimRobot
+
+    def chunk(stamp_s: float, value: float) -> ActionChunk:
+        msg = ActionChunk(horizon=50, action_dim=14, dt=0.02, actions=[value] * 700)
+        msg.header.stamp.sec, msg.header.stamp.nanosec = int(stamp_s), round((stamp_s % 1) * 1e9)
+        return msg
+
+    for m, expected in ((0.0, 1.0), (0.01, math.exp(-0.1) / (1 + math.exp(-0.1)))):
+        robot = SimRobot(context=ros_context, parameter_overrides=[
+            Parameter("temporal_ensemble_m", value=m), Parameter("width", value=64), Parameter("height", value=48)])
+        try:
+            robot._on_chunk(chunk(100.0, 0.0))
+            robot._on_chunk(chunk(100.2, 1.0))        # 10 control steps later; both cover 100.505 s
+            np.testing.assert_allclose(robot._current_action(100.505), np.full(14, expected), atol=1e-12)
+            bad = chunk(100.4, 0.0)
+            bad.actions = [float("nan")] * 700
+            robot._on_chunk(bad)
+            assert robot.chunks_received == 2 and robot.chunks_rejected == 1
+        finally:
+            robot.destroy_node()
+    with pytest.raises(ValueError, match="temporal_ensemble_max_chunks"):
+        SimRobot(context=ros_context, parameter_overrides=[Parameter("temporal_ensemble_max_chunks", value=0)])

@@ -135,3 +135,62 @@ def test_node_lockstep_runs_over_dds_on_simulated_time(evaluate, tmp_path):
     assert [round(o["t"] - offset, 6) for o in record["observed"]] == [0.2, 0.4]
     params = (tmp_path / "node_params_node-lockstep.yaml").read_text()
     assert "use_sim_time: true" in params and "staleness_limit_s: 0.01" in params
+
+
+def test_sync_with_temporal_ensembling_runs_is_deterministic_and_averages_the_chunks(evaluate, tmp_path):
+    """``--ensemble 0.01``: a chunk every 5 steps, so in steps 5-9 the first chunk's actions 5-9 and the second's
+    0-4 overlap and are averaged with ACT's weights (1 and exp(-0.01 x 5)). The episode is deterministic, and
+    replaying the hand-computed averages in a fresh scene ends in the same state."""
+    import math
+
+    extra = ("--conditions", "sync", "--max-steps", "10", "--execute-steps", "5", "--ensemble", "0.01")
+    result = evaluate.evaluate(_args(evaluate, tmp_path, *extra))
+    assert result["ensemble_m"] == 0.01
+    episode = result["conditions"][0]["per_episode"][0]
+    assert episode["steps"] == 10 and episode["chunks"] == 2
+    first = json.loads((tmp_path / "sync" / f"episode_{SEED}.json").read_text())
+
+    class Recording:
+        """The engine policy, keeping the chunks it returns."""
+
+        def __init__(self, policy):
+            self.policy, self.chunks = policy, []
+            self.needs_images = policy.needs_images
+
+        def start(self, seed):
+            self.policy.start(seed)
+
+        def act(self, images, position, t):
+            step = self.policy.act(images, position, t)
+            self.chunks.append(step.actions.copy())
+            return step
+
+        def finish(self):
+            self.policy.finish()
+
+    args = _args(evaluate, tmp_path / "again", *extra)
+    policy = Recording(evaluate.EnginePolicy(evaluate.node_parameters("sync", args, "")))
+    try:
+        record = evaluate.run_sync_episode(policy, SEED, args.execute_steps, args.max_steps, ensemble_m=args.ensemble)
+    finally:
+        policy.policy.close()
+    assert record["final_position"] == first["final_position"] and record["flags"] == first["flags"]
+    assert record["observed"] == first["observed"]
+
+    a, b = policy.chunks
+    w = math.exp(-0.01 * 5)
+    ensembled = [a[i] for i in range(5)] + [(a[5 + i] + w * b[i]) / (1 + w) for i in range(5)]
+    newest = [a[i] for i in range(5)] + [b[i] for i in range(5)]
+
+    def replay(actions):
+        sim = evaluate.EpisodeSim(SEED, width=64, height=48)
+        try:
+            for action in actions:
+                sim.execute(action)
+            return sim.scene.joint_state()[0]
+        finally:
+            sim.close()
+
+    np.testing.assert_allclose(replay(ensembled), record["final_position"], rtol=0, atol=1e-9)
+    assert not np.allclose(replay(newest), record["final_position"], rtol=0, atol=1e-6), \
+        "ensembling changed nothing: the newest-chunk execution ends in the same state"

@@ -31,6 +31,12 @@ Conditions (``--conditions``, all by default):
   replayed on the eval seeds in the lockstep schedule, the ceiling (its "speech" is its script's label,
   so its subtask accuracy is the agreement of the script with the ground-truth mapping).
 
+Chunk execution (``--ensemble M``, every condition but ``expert``): 0 (default) executes the newest chunk
+(in lockstep: each chunk's first ``--execute-steps`` actions); M ≠ 0 averages, at every control step, the
+predictions of all the chunks that cover the step with ACT's temporal-ensembling weights ``exp(−M·i)``
+(:mod:`oxygen_ros.tools.chunk_execution`; ``node-realtime``: the robot's ``temporal_ensemble_m``). In
+lockstep a chunk arrives every ``--execute-steps`` steps, so up to ``ceil(H / execute_steps)`` overlap.
+
 Output (``--out``, default ``runs/eval-<timestamp>``): ``eval.json`` (everything), ``eval.md`` (the table,
 also printed), ``<condition>/episode_<seed>.png`` (contact sheets), ``node_params_<condition>.yaml``.
 
@@ -60,6 +66,7 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
 from oxygen_ros.tools import demo_data  # noqa: E402
+from oxygen_ros.tools.chunk_execution import ChunkExecutor  # noqa: E402
 from oxygen_ros.tools.child_process import package_pythonpath, start_child, stop_child  # noqa: E402
 from oxygen_ros.tools.demo_data import (DT, INSTRUCTION, JOINTS, PHASES, SUBTASKS, phase_flags,  # noqa: E402
                                         scene_caption, scene_state, wilson_interval)
@@ -75,6 +82,7 @@ GRIPPER_OPEN = 0.95                  # normalised opening at or above which a gr
 HANDOVER_HEIGHT = 0.10               # cube this far above its rest height, held by the right: "hand over" [m]
 SHEET_TIMES_S = (0.0, 2.0, 4.0, 6.0, 8.0, 10.4)   # contact sheet frames, sim time after the settle [s]
 EPISODE_CLOCK_S = 1000.0             # node-lockstep: episode i's sim clock starts at (i + 1) x this [s]
+ENSEMBLE_MAX_CHUNKS = 64             # --ensemble: chunks kept; ≥ ceil(H / execute_steps) for H ≤ 64 at any schedule
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -380,10 +388,19 @@ class ExpertPolicy:
 
 
 def run_sync_episode(policy, seed: int, execute_steps: int, max_steps: int = EPISODE_STEPS,
-                     width: int = 320, height: int = 240) -> dict:
+                     width: int = 320, height: int = 240, ensemble_m: float = 0.0) -> dict:
     """One episode in the lockstep schedule with a synchronous ``policy`` (:class:`EnginePolicy` or
-    :class:`ExpertPolicy`): observe, act, execute ``execute_steps`` actions, repeat for ``max_steps``
-    control steps. Returns the episode record (see :func:`score_episode`)."""
+    :class:`ExpertPolicy`): observe, act, execute ``execute_steps`` control steps, repeat for ``max_steps``
+    control steps. The chunk (stamped with the observation's clock, 20 ms per action) goes to a
+    :class:`~oxygen_ros.tools.chunk_execution.ChunkExecutor` (``round`` index rule) that gives each step's
+    action: with ``ensemble_m`` 0 (default) the chunk's actions 0 .. execute_steps − 1 in turn; otherwise
+    ACT's temporal ensemble of every chunk covering the step. Returns the episode record (see
+    :func:`score_episode`).
+
+    Raises:
+        ValueError: ``ensemble_m`` not finite.
+    """
+    chunk_executor = ChunkExecutor(ensemble_m, ENSEMBLE_MAX_CHUNKS, index_rule="round")
     sim = EpisodeSim(seed, 0.0, width, height)
     policy.start(seed)
     speech, memory, latencies, inference = [], [], [], []
@@ -396,9 +413,10 @@ def run_sync_episode(policy, seed: int, execute_steps: int, max_steps: int = EPI
             inference.append(step.inference_latency_s)
             speech += step.speech
             memory += step.memory
+            chunk_executor.add(t, DT, step.actions)
             n = min(execute_steps, max_steps - sim.step_index, len(step.actions))
-            for i in range(n):
-                sim.execute(step.actions[i])
+            for _ in range(n):
+                sim.execute(chunk_executor.action_at(sim.now_s))
             if isinstance(policy, ExpertPolicy):
                 policy.advance(n)
         policy.finish()
@@ -463,6 +481,7 @@ def _lockstep_worker(spec: dict) -> int:
         return Time(sec=ns // 10**9, nanosec=ns % 10**9)
 
     sim = EpisodeSim(spec["seed"], spec["clock_offset_s"])
+    chunk_executor = ChunkExecutor(spec.get("ensemble_m", 0.0), ENSEMBLE_MAX_CHUNKS, index_rule="round")
     latencies, frames, aborted = [], [], None    # frames: (stamp t [s], frame to chunk [s], sends of the inputs)
     wall = time.perf_counter()
     try:
@@ -508,12 +527,14 @@ def _lockstep_worker(spec: dict) -> int:
                 break
             latencies.append(chunk[3] - sent)
             frames.append((t, chunk[3] - sent, sends))
-            chunk_stamp, dt, actions = chunk[0], chunk[1], chunk[2]
+            try:
+                chunk_executor.add(chunk[0], chunk[1], chunk[2])
+            except ValueError as err:       # e.g. non-finite actions: never executed
+                aborted = f"the action chunk for the observation at {t:.3f} s was rejected: {err}"
+                break
             n = min(spec["execute_steps"], spec["max_steps"] - sim.step_index)
             for _ in range(n):
-                now = sim.now_s
-                index = int(np.clip(round((now - chunk_stamp) / dt), 0, len(actions) - 1))
-                sim.execute(actions[index])
+                sim.execute(chunk_executor.action_at(sim.now_s))
                 clock_pub.publish(Clock(clock=stamp(sim.now_s)))
         record = sim.trace()
         record.update(latencies=latencies, frames=frames, chunks=len(latencies), wall_s=time.perf_counter() - wall,
@@ -542,7 +563,9 @@ def _realtime_worker(spec: dict) -> int:
     rclpy.init(args=[])
     robot = SimRobot(parameter_overrides=[
         Parameter("camera_rate_hz", value=float(spec["camera_rate_hz"])), Parameter("seed", value=spec["seed"]),
-        Parameter("action_chunk_topic", value=spec["chunk_topic"])])
+        Parameter("action_chunk_topic", value=spec["chunk_topic"]),
+        Parameter("temporal_ensemble_m", value=float(spec.get("ensemble_m", 0.0))),
+        Parameter("temporal_ensemble_max_chunks", value=ENSEMBLE_MAX_CHUNKS)])
     executor = SingleThreadedExecutor()
     executor.add_node(robot)
     spinner = threading.Thread(target=executor.spin, daemon=True)
@@ -682,7 +705,7 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
             out = out_dir / condition / f"episode_{seed}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
             spec = {"seed": seed, "max_steps": args.max_steps, "out": str(out),
-                    "chunk_topic": f"/{NODE_NAME}/action_chunk"}
+                    "chunk_topic": f"/{NODE_NAME}/action_chunk", "ensemble_m": args.ensemble}
             if condition == "node-lockstep":
                 offset = EPISODE_CLOCK_S * (index + 1)
                 spec.update(clock_offset_s=offset, execute_steps=args.execute_steps,
@@ -1014,7 +1037,8 @@ def run_sync_condition(condition: str, params: dict, seeds: list[int], args, out
     records = []
     try:
         for seed in seeds:
-            record = run_sync_episode(policy, seed, args.execute_steps, args.max_steps)
+            record = run_sync_episode(policy, seed, args.execute_steps, args.max_steps,
+                                      ensemble_m=0.0 if condition == "expert" else args.ensemble)
             records.append(record)
             log(f"{condition} episode {seed}: {_episode_line(record)}")
     finally:
@@ -1059,6 +1083,7 @@ def evaluate(args) -> dict:
         summary["condition_wall_s"] = round(time.perf_counter() - wall, 1)
         summaries.append(summary)
     result = {"checkpoint": checkpoint, "preset": args.preset, "seeds": seeds, "execute_steps": args.execute_steps,
+              "ensemble_m": args.ensemble,
               "max_steps": args.max_steps, "instruction": INSTRUCTION, "subtasks": list(SUBTASKS),
               "conditions": summaries, "table": markdown_table(summaries)}
     (out_dir / "eval.json").write_text(json.dumps(result, indent=2))
@@ -1080,6 +1105,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"control steps of 20 ms per episode (default {EPISODE_STEPS}: 10.6 s)")
     parser.add_argument("--execute-steps", type=int, default=10,
                         help="lockstep: actions executed per chunk (execution horizon; default 10 = 0.2 s)")
+    parser.add_argument("--ensemble", type=float, default=0.0, metavar="M",
+                        help="temporal ensembling of overlapping chunks at execution, ACT's weights exp(-M*i) "
+                             "(i: a chunk's age in control steps, 0 the oldest; ACT: 0.01); 0 (default): off, "
+                             "the newest chunk wins. Every condition but expert (node-realtime: the robot's "
+                             "temporal_ensemble_m)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default runs/eval-<timestamp>)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -1116,6 +1146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown conditions {unknown}; choose from {', '.join(CONDITIONS)}")
     if args.episodes < 1 or args.max_steps < 1 or args.execute_steps < 1 or args.language_every < 1:
         parser.error("--episodes, --max-steps, --execute-steps and --language-every must be >= 1")
+    if not math.isfinite(args.ensemble):
+        parser.error("--ensemble must be finite")
     if args.checkpoint and not Path(args.checkpoint).is_dir():
         needs = [c for c in args.conditions if c != "expert"]
         if needs:

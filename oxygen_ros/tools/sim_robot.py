@@ -12,7 +12,9 @@ arms, a red cube on the table). The node behaves like the real robot's drivers:
   (0 closed, 1 open), velocities in [rad/s] and [1/s];
 * executes the action chunks it receives on ``action_chunk_topic`` (``oxygen_ros/msg/ActionChunk``):
   action i of a chunk is applied at ``header.stamp + i * dt`` (the newest chunk wins, the last action
-  is held after a chunk runs out), as absolute joint position targets for the scene's position
+  is held after a chunk runs out; with ``temporal_ensemble_m`` ≠ 0 the predictions of all overlapping
+  chunks for the step are averaged instead, ACT's temporal ensembling:
+  :class:`~oxygen_ros.tools.chunk_execution.ChunkExecutor`), as absolute joint position targets for the scene's position
   actuators — 6 joints [rad] and the normalised gripper per arm, matched by ``action_names`` when they
   name gym-aloha's joints, else the first 14 dimensions in that order — clipped to the actuators'
   control ranges, and rate-limited (each actuator's target moves at most its control range per
@@ -61,6 +63,7 @@ from std_msgs.msg import String  # noqa: E402
 
 from oxygen_ros.msg import ActionChunk  # noqa: E402
 from oxygen_ros.tools import demo_data  # noqa: E402
+from oxygen_ros.tools.chunk_execution import ChunkExecutor  # noqa: E402
 
 SCENE = ASSETS_DIR / "bimanual_viperx_transfer_cube.xml"
 CAMERAS = ("top", "left_wrist", "right_wrist")
@@ -250,7 +253,13 @@ class SimRobot(Node):
     Parameters (read at start): ``camera_rate_hz`` (images per second per camera, default 1.0),
     ``width`` / ``height`` [px] (default 320 x 240), ``joint_state_rate_hz`` (default 50.0),
     ``control_period_s`` (physics update period, default 0.02 s, gym-aloha's 50 Hz),
-    ``action_chunk_topic`` (default ``oxygen_node/action_chunk``), ``seed`` (cube pose, default 0).
+    ``action_chunk_topic`` (default ``oxygen_node/action_chunk``), ``seed`` (cube pose, default 0),
+    ``temporal_ensemble_m`` (ACT's temporal-ensembling coefficient m [1 / control step]; default 0.0: off,
+    the newest chunk wins; e.g. 0.01 = ACT's) and ``temporal_ensemble_max_chunks`` (chunks kept for it,
+    default 16) — :class:`~oxygen_ros.tools.chunk_execution.ChunkExecutor` with the ``floor`` index rule.
+
+    Raises:
+        ValueError: ``temporal_ensemble_m`` not finite or ``temporal_ensemble_max_chunks`` < 1.
 
     Args:
         node_name: the node's name.
@@ -269,6 +278,14 @@ class SimRobot(Node):
         self.control_period_s = self.declare_parameter("control_period_s", 0.02).value
         chunk_topic = self.declare_parameter("action_chunk_topic", "oxygen_node/action_chunk").value
         seed = self.declare_parameter("seed", 0).value
+        ensemble_m = self.declare_parameter("temporal_ensemble_m", 0.0).value
+        ensemble_max_chunks = self.declare_parameter("temporal_ensemble_max_chunks", 16).value
+        # Validated before the scene and the threads exist: a bad value fails here, with only the node to free.
+        try:
+            self._executor = ChunkExecutor(ensemble_m, ensemble_max_chunks, index_rule="floor")
+        except ValueError as err:
+            Node.destroy_node(self)
+            raise ValueError(f"temporal_ensemble_m / temporal_ensemble_max_chunks: {err}") from None
 
         # MuJoCo's warnings (e.g. "Nan, Inf or huge value in QACC") into the ROS log: by default MuJoCo
         # appends them to MUJOCO_LOG.TXT in the current directory.
@@ -286,8 +303,7 @@ class SimRobot(Node):
         self._geoms = demo_data._Geoms(self.scene.model)
         self.create_subscription(ActionChunk, chunk_topic, self._on_chunk, 10)
 
-        self._chunk: tuple[float, float, np.ndarray] | None = None  # (stamp [s], dt [s], [H, 14])
-        self._chunk_lock = threading.Lock()
+        self._chunk_lock = threading.Lock()     # guards self._executor (the chunks received)
         self.chunks_received = 0
         self.chunks_rejected = 0
         self.images_published = {camera: 0 for camera in CAMERAS}
@@ -303,7 +319,9 @@ class SimRobot(Node):
             thread.start()
         self.get_logger().info(
             f"ALOHA scene {SCENE.name}: cameras {', '.join(CAMERAS)} at {self.camera_rate_hz:g} Hz each "
-            f"({width}x{height}), 14 joint states at {self.joint_state_rate_hz:g} Hz, actions from {chunk_topic}")
+            f"({width}x{height}), 14 joint states at {self.joint_state_rate_hz:g} Hz, actions from {chunk_topic}"
+            + (f", temporal ensembling m = {ensemble_m:g} over up to {ensemble_max_chunks} chunks"
+               if self._executor.ensembling else ""))
 
     def _now_s(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
@@ -317,20 +335,20 @@ class SimRobot(Node):
             return
         stamp = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
         dt = msg.dt if msg.dt > 0 else self.control_period_s
-        with self._chunk_lock:
-            if self._chunk is None or stamp >= self._chunk[0]:
-                self._chunk = (stamp, dt, actions)
+        try:
+            with self._chunk_lock:
+                self._executor.add(stamp, dt, actions)
+        except ValueError as err:       # non-finite actions (or a dimension change while ensembling)
+            self.chunks_rejected += 1
+            self.get_logger().warning(f"action chunk rejected: {err}", throttle_duration_sec=5.0)
+            return
         self.chunks_received += 1
 
     def _current_action(self, now_s: float) -> np.ndarray | None:
-        """The action due now: index ``floor((now - stamp) / dt)`` of the newest chunk, clamped."""
+        """The action due now (:meth:`ChunkExecutor.action_at`): index ``floor((now - stamp) / dt)`` of the
+        newest chunk, clamped; with temporal ensembling, the weighted average over the chunks covering now."""
         with self._chunk_lock:
-            chunk = self._chunk
-        if chunk is None:
-            return None
-        stamp, dt, actions = chunk
-        index = int(np.clip((now_s - stamp) // dt, 0, len(actions) - 1))
-        return actions[index]
+            return self._executor.action_at(now_s)
 
     def _physics_loop(self) -> None:
         period = self.control_period_s
@@ -343,7 +361,7 @@ class SimRobot(Node):
                 self.actions_applied += 1
             if not self.scene.step(period):
                 with self._chunk_lock:
-                    self._chunk = None      # do not drive straight back into the same state
+                    self._executor.clear()  # do not drive straight back into the same state
                 self.get_logger().warning(f"the physics went unstable: scene reset to the start pose "
                                           f"({self.scene.resets} resets so far)", throttle_duration_sec=5.0)
             state = self.scene.read(lambda model, data: demo_data.scene_state(model, data, self._geoms))
