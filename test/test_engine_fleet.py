@@ -339,7 +339,7 @@ def test_subtask_state_is_per_robot(model):
 def private_accesses(source: str) -> list[str]:
     """``line: expression`` of every access in ``source`` to a private attribute (one leading underscore,
     not a dunder) of an object other than ``self``: ``other._x``, ``self._a._b``, ``f()._x``, and
-    ``getattr``/``setattr``/``hasattr``/``delattr`` with a private name."""
+    ``getattr``/``setattr``/``hasattr``/``delattr`` with a private name; in line order."""
     import ast
 
     def private(name) -> bool:
@@ -349,12 +349,12 @@ def private_accesses(source: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute) and private(node.attr) and \
                 not (isinstance(node.value, ast.Name) and node.value.id == "self"):
-            found.append(f"{node.lineno}: {ast.unparse(node)}")
+            found.append((node.lineno, f"{node.lineno}: {ast.unparse(node)}"))
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
                 node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1 and \
                 isinstance(node.args[1], ast.Constant) and private(node.args[1].value):
-            found.append(f"{node.lineno}: {ast.unparse(node)}")
-    return found
+            found.append((node.lineno, f"{node.lineno}: {ast.unparse(node)}"))
+    return [text for _, text in sorted(found)]
 
 
 def test_fleet_uses_only_the_lanes_public_surface():
