@@ -337,9 +337,10 @@ class RobotSide:
     """One simulated robot of a fleet: camera frames (raw scene, JPEG wrist), joint states and its instruction
     in its namespace, with header stamps of its own (``base_s`` seconds apart from other robots'), and the
     action chunks its ``oxygen_node`` publishes there (:attr:`chunks`; :meth:`records` as plain tuples).
-    Its node joins ``context``; spinning it is the caller's (any executor)."""
+    Its joint states name ``joint_names``, every position 0.1. Its node joins ``context``; spinning it is the
+    caller's (any executor)."""
 
-    def __init__(self, context, namespace: str, base_s: int, publish_hz: float = 10.0):
+    def __init__(self, context, namespace: str, base_s: int, publish_hz: float = 10.0, joint_names=tuple(JOINTS)):
         from oxygen_ros.msg import ActionChunk
         from rclpy.node import Node
         from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
@@ -354,7 +355,8 @@ class RobotSide:
         latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
         self.instruction = self.node.create_publisher(String, "instruction", latched)
-        self.instruction.publish(String(data=f"robot {namespace} picks the cube"))
+        self.instruction_text = f"robot {namespace} picks the cube"
+        self.instruction.publish(String(data=self.instruction_text))
         self.chunks: list = []
         reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
         self.node.create_subscription(ActionChunk, "oxygen_node/action_chunk", self.chunks.append, reliable)
@@ -363,6 +365,7 @@ class RobotSide:
         self._index = 0
         self._base_s = base_s
         self._hz = publish_hz
+        self._joint_names = list(joint_names)
         self.node.create_timer(1.0 / publish_hz, self._publish)
 
     def _publish(self) -> None:
@@ -377,7 +380,7 @@ class RobotSide:
         self.sent.add((stamp.sec, stamp.nanosec))
         self.cam0.publish(raw_image(stamp=stamp))
         self.cam1.publish(jpeg_image(stamp=stamp))
-        self.joints.publish(JointState(name=JOINTS, position=[0.1] * len(JOINTS)))
+        self.joints.publish(JointState(name=self._joint_names, position=[0.1] * len(self._joint_names)))
 
     def records(self, start: int = 0, end: int | None = None) -> list[tuple[int, int, int]]:
         """``(stamp sec, stamp nanosec, observation_seq)`` of the chunks received (``start:end``)."""

@@ -334,3 +334,40 @@ def test_subtask_state_is_per_robot(model):
     fleet.close()
     for engine in singles.values():
         engine.close()
+
+
+def private_accesses(source: str) -> list[str]:
+    """``line: expression`` of every access in ``source`` to a private attribute (one leading underscore,
+    not a dunder) of an object other than ``self``: ``other._x``, ``self._a._b``, ``f()._x``, and
+    ``getattr``/``setattr``/``hasattr``/``delattr`` with a private name; in line order."""
+    import ast
+
+    def private(name) -> bool:
+        return isinstance(name, str) and name.startswith("_") and not name.startswith("__")
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and private(node.attr) and \
+                not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+            found.append((node.lineno, f"{node.lineno}: {ast.unparse(node)}"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1 and \
+                isinstance(node.args[1], ast.Constant) and private(node.args[1].value):
+            found.append((node.lineno, f"{node.lineno}: {ast.unparse(node)}"))
+    return [text for _, text in sorted(found)]
+
+
+def test_fleet_uses_only_the_lanes_public_surface():
+    """oxygen_ros/engine/fleet.py drives each robot's engine through :class:`EngineLane` (``Engine.lane``)
+    and public methods only: no private attribute of a lane, an engine, the core or anything but itself."""
+    from pathlib import Path
+
+    import oxygen_ros.engine.fleet as fleet_module
+
+    # the check sees what it must (so an empty answer below means something)
+    assert private_accesses("def f(self, lane):\n    lane._work.meter = self._m\n    return self._a._b\n") == \
+        ["2: lane._work", "3: self._a._b"]
+    assert private_accesses("getattr(lane, '_inbox').apply()\nself._lanes[r]._enqueue(f)\n") == \
+        ["1: getattr(lane, '_inbox')", "2: self._lanes[r]._enqueue"]
+    assert private_accesses("self._core.pool\nlane.observe(obs)\nobj.__class__\n") == []
+    assert private_accesses(Path(fleet_module.__file__).read_text()) == []

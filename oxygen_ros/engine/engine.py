@@ -28,7 +28,8 @@ from oxygen_ros.engine.core import EngineCore
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.inbox import Inbox
 from oxygen_ros.engine.language import LanguageWork
-from oxygen_ros.engine.inputs import Frame, ObservationReader, Observer
+from oxygen_ros.engine.inputs import ObservationReader, Observer
+from oxygen_ros.engine.lane import EngineLane
 from oxygen_ros.engine.meter import CycleMeter
 from oxygen_ros.engine.metrics import EngineMetrics
 from oxygen_ros.engine.model_io import ModelIO
@@ -72,7 +73,7 @@ class Engine:
         self._metrics = EngineMetrics(cfg.action_horizon, self._pool.num_blocks * self._pool.bytes_per_block,
                                       config.metrics_window)
         self._outputs = OutputAssembler(processor, cfg.eos_token_id, self._metrics)
-        self._inbox = Inbox(self._scheduler, self._outputs, self._lock, self._report_ended)
+        self._inbox = Inbox(self._scheduler, self._outputs, self._lock, lambda: self._lane.report_ended())
         self._work = LanguageWork(self._scheduler, self._planner, self._manager, self._runner,
                                   self._outputs, self._inbox.apply, processor)
         self._mode = self._work.mode = mode_policy(config, self._planner, robot_id)
@@ -82,6 +83,9 @@ class Engine:
         self._subtask = SubtaskState(config.action, cfg.eos_token_id)
         self._observer = Observer(self._inputs, Triggers(config.language_tasks), self._subtask, self._inbox,
                                   self._scheduler)
+        self._lane = EngineLane(config, robot_id, inputs=self._inputs, observer=self._observer, inbox=self._inbox,
+                                scheduler=self._scheduler, work=self._work, mode=self._mode, action=self._action,
+                                subtask=self._subtask, outputs=self._outputs, metrics=self._metrics)
 
     # ---- the cycle ---------------------------------------------------------------------------
 
@@ -108,36 +112,23 @@ class Engine:
                 if on_action is not None:
                     on_action(chunk)
                 # admit, then decode within the budget
-                self._enqueue(frame, features)
+                self._lane.enqueue(frame, features)
                 overloaded = self._mode.language(self._work, obs, deadline)
             except BaseException:
                 self._inbox.abandon(obs)   # submissions it took still end with one final event
                 raise
             # report
             self._planner.tree.clear()
-            self._report_ended()
+            self._lane.report_ended()
             end = time.perf_counter()
             record = meter.record(obs.seq, end - t0, chunk.latency_s, end > deadline, overloaded)
-            self._metrics.add_cycle(record)
-            self._metrics.note_pool_peak(self._pool.peak_used_bytes)
+            self._lane.record_cycle(record, self._pool.peak_used_bytes)
             return CycleResult(chunk, self._outputs.take(), record)
 
     def _act(self, obs: Observation, job: PrefixJob, t0: float, subtask: str | None = None) -> ActionChunk:
         chunk = self._action.run(obs, job, t0, self._work.meter, subtask)
         self._mode.action_done()
         return chunk
-
-    def _enqueue(self, frame: Frame, features) -> None:
-        """Queue the frame's new requests (with the inputs they keep until prefilled)."""
-        for request in frame.requests:
-            self._mode.keep_inputs(request, frame.images, features)
-            self._scheduler.add(request)
-        self._inbox.queued([request.request_id for request in frame.requests])
-
-    def _report_ended(self) -> None:
-        ended = self._scheduler.drain_ended()
-        self._outputs.ended(ended)
-        self._subtask.ended(ended)     # after ended(): the requests' text is complete
 
     # ---- between cycles ----------------------------------------------------------------------
 
@@ -151,10 +142,9 @@ class Engine:
             t0, peak = time.perf_counter(), self._pool.peak_used_blocks
             try:
                 self._work.meter = self._meter(StepCostEstimator(self.config.step_cost_quantile, 1))
-                images, _ = self._inputs.camera_images(obs)
-                action_ids = self._inputs.prompt_ids(self.config.action.prompt_template, obs)
-                job = PrefixJob((("warm-up", self.robot_id, obs.seq),), self._work.encode(images),
-                                action_ids, False, False)
+                frame = self._lane.action_frame(obs)
+                job = PrefixJob((("warm-up", self.robot_id, obs.seq),), self._work.encode(frame.images),
+                                frame.action_ids, False, False)
                 chunk = self._act(obs, job, t0)
                 if on_action is not None:
                     on_action(chunk)
@@ -193,7 +183,7 @@ class Engine:
         here or with a later :class:`CycleResult`."""
         with self._lock:
             self._inbox.apply()
-            self._report_ended()
+            self._lane.report_ended()
             return self._outputs.take_with_memory()
 
     def flush(self) -> tuple[list[TextEvent], list[MemoryEntry]]:
@@ -214,10 +204,16 @@ class Engine:
             self._inbox.apply()
             self._inbox.cancel_all()
             self._planner.tree.clear()
-            self._report_ended()
+            self._lane.report_ended()
             return self._outputs.take()
 
     # ---- what it reports ---------------------------------------------------------------------
+
+    @property
+    def lane(self) -> EngineLane:
+        """This robot's cycle steps for a :class:`~oxygen_ros.engine.fleet.Fleet` that batches them across
+        robots (``lane.py``); a single-robot engine's own cycle runs the same steps."""
+        return self._lane
 
     @property
     def pool(self) -> BlockPool:

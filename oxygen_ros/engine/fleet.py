@@ -46,6 +46,7 @@ from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.core import EngineCore
 from oxygen_ros.engine.engine import Engine
 from oxygen_ros.engine.inputs import Frame
+from oxygen_ros.engine.lane import EngineLane
 from oxygen_ros.engine.meter import CycleMeter
 from oxygen_ros.engine.metrics import CycleRecord
 from oxygen_ros.engine.modes import admission_budget, decode_within_budget
@@ -150,7 +151,7 @@ class Fleet:
         self.config = config
         self._model = model
         self._core = EngineCore(model, None, config)
-        self._lanes: dict[Hashable, Engine] = {}
+        self._engines: dict[Hashable, Engine] = {}     # each robot's engine; the cycle drives its .lane
         self._meters: dict[Hashable, CycleMeter] = {}
         self._last_stamp: dict[Hashable, float] = {}
         self._admitted_at: dict[Hashable, int] = {}
@@ -169,12 +170,12 @@ class Fleet:
     @property
     def robots(self) -> list[Hashable]:
         """The robot ids, in the order they were added."""
-        return list(self._lanes)
+        return list(self._engines)
 
     def robot(self, robot_id: Hashable) -> Engine:
         """The engine (lane) of ``robot_id``: submit, cancel, metrics, active requests. Raises KeyError."""
         try:
-            return self._lanes[robot_id]
+            return self._engines[robot_id]
         except KeyError:
             raise KeyError(f"no robot {robot_id!r} in the fleet") from None
 
@@ -198,23 +199,23 @@ class Fleet:
         with self._core.lock:
             if self._closed:
                 raise RuntimeError("fleet is closed")
-            if robot_id in self._lanes:
+            if robot_id in self._engines:
                 raise ValueError(f"robot {robot_id!r} is already in the fleet")
-            lane = Engine(self._model, processor, config, core=self._core, robot_id=robot_id)
-            self._lanes[robot_id] = lane
+            engine = Engine(self._model, processor, config, core=self._core, robot_id=robot_id)
+            self._engines[robot_id] = engine
             self._meters[robot_id] = self._lane_meter()
-        return lane
+        return engine
 
     def remove_robot(self, robot_id: Hashable) -> list[TextEvent]:
         """Remove a robot: every request of it ends with exactly one final event (``cancelled``
         unless it had ended), its pages and its share go back to the pool. Returns the robot's
         events not yet handed out (those final events included). Raises KeyError."""
         with self._core.lock:
-            lane = self.robot(robot_id)
-            del self._lanes[robot_id]
+            engine = self.robot(robot_id)
+            del self._engines[robot_id]
             for table in (self._meters, self._last_stamp, self._admitted_at, self._decoded_at):
                 table.pop(robot_id, None)
-        events = lane.close()
+        events = engine.close()
         self._core.release(robot_id)
         return events
 
@@ -243,47 +244,48 @@ class Fleet:
         with self._core.lock:
             if self._closed:
                 raise RuntimeError("fleet is closed")
-            unknown = [r for r in observations if r not in self._lanes]
+            unknown = [r for r in observations if r not in self._engines]
             if unknown:
                 raise KeyError(f"observations of robots {unknown!r} not in the fleet")
             t0 = time.perf_counter()
-            deadlines = {r: (deadlines or {}).get(r, t0 + self._lanes[r].config.action.control_period_s)
+            deadlines = {r: (deadlines or {}).get(r, t0 + self._engines[r].config.action.control_period_s)
                          for r in observations}
             order = sorted(observations, key=lambda r: deadlines[r])
             meter = CycleMeter(self._core.pool, self._core.estimator, self._core.runner.counters)
-            for robot, lane in self._lanes.items():
-                lane._work.meter = self._meters[robot]
+            lanes = self._lanes()
+            for robot, lane in lanes.items():
+                lane.use_meter(self._meters[robot])
             result = FleetResult()
             frames: dict[Hashable, Frame] = {}
             for robot in order:
-                lane, obs = self._lanes[robot], observations[robot]
+                lane, obs = lanes[robot], observations[robot]
                 try:
-                    frames[robot] = lane._observer.observe(obs, t0)
+                    frames[robot] = lane.observe(obs, t0)
                 except ValueError as error:
-                    lane._inbox.abandon(obs)
+                    lane.abandon(obs)
                     result.errors[robot] = error
                     continue
                 self._last_stamp[robot] = obs.stamp
             try:
                 chunks, features = self._act(frames, t0, meter, on_action)
                 for robot, frame in frames.items():
-                    self._lanes[robot]._enqueue(frame, features[robot])
+                    lanes[robot].enqueue(frame, features[robot])
                 earliest = min((deadlines[r] for r in frames), default=float("inf"))
                 overloaded = self._language(earliest, meter, deadlines)
             except BaseException:
                 for robot, frame in frames.items():
-                    self._lanes[robot]._inbox.abandon(frame.obs)
+                    lanes[robot].abandon(frame.obs)
                 raise
             finally:
                 self._core.planner.tree.clear()
             end = time.perf_counter()
-            for lane in self._lanes.values():
-                lane._report_ended()
+            for lane in lanes.values():
+                lane.report_ended()
             result.record = meter.record(-1, end - t0, max((c.latency_s for c in chunks.values()),
                                                            default=0.0), False, overloaded)
             peak = self._core.pool.peak_used_bytes
-            for robot, lane in self._lanes.items():
-                events = lane._outputs.take()
+            for robot, lane in lanes.items():
+                events = lane.take_events()
                 if robot in frames:
                     chunk = chunks[robot]
                     record = replace(result.record, seq=chunk.seq, action_latency_s=chunk.latency_s,
@@ -291,8 +293,7 @@ class Fleet:
                                      generated_tokens=self._meters[robot].tokens,
                                      batch_sizes=list(result.record.batch_sizes))
                     self._meters[robot] = self._lane_meter()
-                    lane._metrics.add_cycle(record)
-                    lane._metrics.peak_pool_bytes = max(lane._metrics.peak_pool_bytes, peak)
+                    lane.record_cycle(record, peak)
                     result.cycles[robot] = CycleResult(chunk, events, record)
                 elif events:
                     result.text_events[robot] = events
@@ -312,12 +313,7 @@ class Fleet:
             meter = CycleMeter(pool, StepCostEstimator(self.config.step_cost_quantile, 1),
                                self._core.runner.counters)
             try:
-                frames = {}
-                for robot, obs in observations.items():
-                    lane = self.robot(robot)
-                    images, mask = lane._inputs.camera_images(obs)
-                    frames[robot] = Frame(obs, images, mask,
-                                          lane._inputs.prompt_ids(lane.config.action.prompt_template, obs), [])
+                frames = {robot: self.robot(robot).lane.action_frame(obs) for robot, obs in observations.items()}
                 self._act(frames, t0, meter, None)
             finally:
                 self._core.planner.tree.clear()
@@ -326,34 +322,38 @@ class Fleet:
 
     def metrics(self) -> dict[Hashable, dict]:
         """Per robot, its engine's metrics summary (:meth:`Engine.metrics`)."""
-        return {robot: lane.metrics() for robot, lane in self._lanes.items()}
+        return {robot: engine.metrics() for robot, engine in self._engines.items()}
 
     def reset_metrics(self) -> None:
         """Forget every robot's records and the pool's peak."""
-        for lane in self._lanes.values():
-            lane.reset_metrics()
+        for engine in self._engines.values():
+            engine.reset_metrics()
 
     def take_events(self) -> dict[Hashable, list[TextEvent]]:
         """Per robot, the events produced between cycles (cancellations); robots without are absent."""
         out = {}
-        for robot, lane in list(self._lanes.items()):
-            events, _ = lane.take_events()
+        for robot, engine in list(self._engines.items()):
+            events, _ = engine.take_events()
             if events:
                 out[robot] = events
         return out
 
     def flush(self) -> dict[Hashable, tuple[list[TextEvent], list[MemoryEntry]]]:
         """Run every robot's requests to their end (no deadline), robot by robot (:meth:`Engine.flush`)."""
-        return {robot: lane.flush() for robot, lane in list(self._lanes.items())}
+        return {robot: engine.flush() for robot, engine in list(self._engines.items())}
 
     def close(self) -> dict[Hashable, list[TextEvent]]:
         """Remove every robot (each request ends once) and refuse further cycles; per robot its
         final events."""
         with self._core.lock:
             self._closed = True
-        return {robot: self.remove_robot(robot) for robot in list(self._lanes)}
+        return {robot: self.remove_robot(robot) for robot in list(self._engines)}
 
     # ------------------------------------------------------------------ cycle steps
+
+    def _lanes(self) -> dict[Hashable, EngineLane]:
+        """Every robot's cycle steps (:attr:`Engine.lane`), in the order the robots were added."""
+        return {robot: engine.lane for robot, engine in self._engines.items()}
 
     def _lane_meter(self) -> CycleMeter:
         # A robot's meter only counts its generated tokens: the shared work is timed once by the
@@ -369,22 +369,20 @@ class Fleet:
         if not frames:
             return {}, {}
         robots = list(frames)
-        lanes = [self._lanes[r] for r in robots]
+        lanes = [self._engines[r].lane for r in robots]
         runner = self._core.runner
         with meter.phase("encode_s"):
-            encoded = runner.encode_groups([(lane._work.io, frames[r].images)
-                                            for r, lane in zip(robots, lanes)])
+            encoded = runner.encode_groups([(lane.io, frames[r].images) for r, lane in zip(robots, lanes)])
         features = dict(zip(robots, encoded))
-        jobs = [lane._mode.action_job(frames[r].obs, frames[r].mask, frames[r].action_ids,
-                                      features[r], frames[r].requests) for r, lane in zip(robots, lanes)]
+        jobs = [lane.action_job(frames[r], features[r]) for r, lane in zip(robots, lanes)]
         nodes = dict(zip(robots, self._core.planner.nodes(jobs, meter)))
         groups: dict[tuple[int, bool], list[Hashable]] = {}
         states = {}
         noises = {}
         for robot, lane in zip(robots, lanes):
             obs = frames[robot].obs
-            states[robot] = lane._work.io.state_tensor(obs.state)
-            noises[robot] = lane._action.noise(obs)
+            states[robot] = lane.state_tensor(obs)
+            noises[robot] = lane.noise(obs)
             key = (lane.config.action.num_denoise_steps, states[robot] is None)
             groups.setdefault(key, []).append(robot)
         actions = {}
@@ -397,9 +395,7 @@ class Fleet:
         chunks = {}
         for robot, lane, job in zip(robots, lanes, jobs):
             frame = frames[robot]
-            chunk = chunks[robot] = lane._action.finish(frame.obs, actions[robot], t0, frame.subtask,
-                                                        tuple(job.prompt_ids))
-            lane._mode.action_done()
+            chunk = chunks[robot] = lane.finish_action(frame, actions[robot], t0, tuple(job.prompt_ids))
             if on_action is not None:
                 on_action(robot, chunk)
         return chunks, features
@@ -411,34 +407,34 @@ class Fleet:
         deadline_mode = config.scheduling == "deadline"
         budget = admission_budget(config, estimator, deadline)
         # Admission: least recently admitted robot first, each against its own share of the pool.
-        order = sorted(self._lanes, key=lambda r: (self._admitted_at.get(r, -1),
-                                                   deadlines.get(r, float("inf"))))
+        lanes = self._lanes()
+        order = sorted(lanes, key=lambda r: (self._admitted_at.get(r, -1), deadlines.get(r, float("inf"))))
         overloaded = False
         plans = []
         for robot in order:
-            lane = self._lanes[robot]
-            if not lane._scheduler.waiting:
+            lane = lanes[robot]
+            if not lane.has_waiting:
                 continue
-            plan = lane._work.admit(self._last_stamp.get(robot, -float("inf")), budget,
-                                    config.min_admissions_per_cycle if deadline_mode else 0)
+            plan = lane.admit(self._last_stamp.get(robot, -float("inf")), budget,
+                              config.min_admissions_per_cycle if deadline_mode else 0)
             overloaded |= plan.forced > 0
             if plan.admitted:
                 if budget != float("inf"):
-                    cost = sum(lane._mode.prefill_cost(r) for r in plan.requests)
+                    cost = sum(lane.prefill_cost(r) for r in plan.requests)
                     budget = max(0.0, budget - cost)
                 self._admitted_at[robot] = self._admit_round
-                plans.append((lane, plan, lane._work.jobs(plan)))
+                plans.append((lane, plan, lane.prefix_jobs(plan)))
         self._admit_round += 1
         if plans:
             nodes = self._core.planner.nodes([job for _, _, jobs in plans for job in jobs], meter)
             start = 0
             for lane, plan, jobs in plans:
-                lane._work.begin(plan, nodes[start:start + len(jobs)])
+                lane.begin(plan, nodes[start:start + len(jobs)])
                 start += len(jobs)
 
         def apply_cancels() -> None:
-            for lane in self._lanes.values():
-                lane._inbox.apply()
+            for lane in lanes.values():
+                lane.apply_cancels()
 
         return decode_within_budget(config, estimator, deadline, apply_cancels, self._decode_batch,
                                     lambda batch: self._step(batch, meter)) or overloaded
@@ -448,7 +444,7 @@ class Fleet:
         ``max_batch_size``), merged round-robin, least recently served robot first, up to the
         fleet's ``max_batch_size``. Any prefix of it holds every robot's best request before any
         robot's second, and a robot left out of a step goes first in the next."""
-        per_robot = [(robot, lane._scheduler.decode_batch()) for robot, lane in self._lanes.items()]
+        per_robot = [(robot, lane.decode_batch()) for robot, lane in self._lanes().items()]
         per_robot = [(robot, batch) for robot, batch in per_robot if batch]
         per_robot.sort(key=lambda item: self._decoded_at.get(item[0], -1))
         merged = []
@@ -468,6 +464,6 @@ class Fleet:
         tokens = sample_tokens(logits, requests)
         meter.decode_step(len(batch), time.perf_counter() - t)
         for (robot, request), token in zip(batch, tokens):
-            self._lanes[robot]._work.add_token(request, token)
+            self._engines[robot].lane.add_token(request, token)
             self._decoded_at[robot] = self._step_index
         self._step_index += 1
