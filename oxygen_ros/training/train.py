@@ -68,9 +68,9 @@ class TrainConfig:
     data: Path
     out: Path = Path("runs/train-demo")
     preset: str = "pi05_demo"
-    steps: int = 3000
+    steps: int = 4000
     batch_size: int = 16
-    lr: float = 5e-4
+    lr: float = 1e-3
     warmup: int = 100
     weight_decay: float = 1e-4
     grad_clip: float = 1.0
@@ -82,7 +82,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     log_every: int = 10
-    save_every: int = 250
+    save_every: int = 500
     progress: bool = True
 
 
