@@ -7,6 +7,7 @@ stream switchable) and records everything the node publishes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -389,6 +390,42 @@ class RobotSide:
     def chunks_after(self, count: int, n: int = 2, timeout: float = 300.0) -> bool:
         """Whether ``n`` chunks beyond the first ``count`` arrive within ``timeout`` [s] (bounds a hang only)."""
         return wait_for(lambda: len(self.chunks) >= count + n, timeout, 0.05)
+
+
+@contextlib.contextmanager
+def spinning_fleet(node, sides, context):
+    """Spin an ``oxygen_fleet_node`` (``node``) and the robot sides' nodes (``sides``: a dict of
+    :class:`RobotSide`) on one transition executor in a background thread until the block exits; then stop the
+    thread, close and destroy the nodes, shut down and destroy ``context``."""
+    import rclpy
+
+    from oxygen_ros.node.executor import TransitionExecutor
+
+    executor = TransitionExecutor(node.runs_long, context=context)
+    executor.add_node(node)
+    for side in sides.values():
+        executor.add_node(side.node)
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set() and rclpy.ok(context=context):
+            executor.spin_once(timeout_sec=0.05)
+
+    node.attach(executor)
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10.0)
+        executor.shutdown(timeout_sec=5.0)
+        node.close()
+        node.destroy_node()
+        for side in sides.values():
+            side.node.destroy_node()
+        context.try_shutdown()
+        context.destroy()
 
 
 def assert_own_chunks(records, sent, others_sent) -> None:

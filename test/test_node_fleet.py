@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 
 import pytest
 
-from node_support import RobotSide, assert_own_chunks, tiny_parameters, wait_for
+from node_support import RobotSide, assert_own_chunks, spinning_fleet, tiny_parameters, wait_for
 
 pytestmark = pytest.mark.ros
 
@@ -26,7 +25,6 @@ def fleet():
     from rclpy.context import Context
     from rclpy.parameter import Parameter
 
-    from oxygen_ros.node.executor import TransitionExecutor
     from oxygen_ros.node.fleet_node import FleetNode
 
     base = f"/fleet_{os.getpid()}_{next(_IDS)}"
@@ -37,29 +35,8 @@ def fleet():
                                           Parameter("kv_budget_mb", value=64)],
                      robot_parameters=lambda robot: tiny_parameters(**{"engine.kv_budget_mb": 16}))
     sides = {r: RobotSide(context, f"{base}/{r}", 1000 * (i + 1)) for i, r in enumerate(ROBOTS)}
-    executor = TransitionExecutor(node.runs_long, context=context)
-    executor.add_node(node)
-    for side in sides.values():
-        executor.add_node(side.node)
-    stop = threading.Event()
-
-    def spin():
-        while not stop.is_set() and rclpy.ok(context=context):
-            executor.spin_once(timeout_sec=0.05)
-
-    node.attach(executor)
-    thread = threading.Thread(target=spin, daemon=True)
-    thread.start()
-    yield node, sides, base
-    stop.set()
-    thread.join(timeout=10.0)
-    executor.shutdown(timeout_sec=5.0)
-    node.close()
-    node.destroy_node()
-    for side in sides.values():
-        side.node.destroy_node()
-    context.try_shutdown()
-    context.destroy()
+    with spinning_fleet(node, sides, context):
+        yield node, sides, base
 
 
 def _own_chunks(side: RobotSide, others: list[RobotSide], start: int = 0, end: int | None = None):

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 
 import numpy as np
 import pytest
 
-from node_support import JOINTS, RobotSide, assert_own_chunks, tiny_parameters
+from node_support import JOINTS, RobotSide, assert_own_chunks, spinning_fleet, tiny_parameters
 
 pytestmark = pytest.mark.ros
 
@@ -55,7 +54,6 @@ def fleet():
     from rclpy.context import Context
     from rclpy.parameter import Parameter
 
-    from oxygen_ros.node.executor import TransitionExecutor
     from oxygen_ros.node.fleet_node import FleetNode
 
     base = f"/fleet_conv_{os.getpid()}"
@@ -69,29 +67,8 @@ def fleet():
                                           Parameter("kv_budget_mb", value=48)],
                      robot_parameters=lambda ns: robot_parameters(by_namespace[ns],
                                                                   sides[by_namespace[ns]].instruction_text))
-    executor = TransitionExecutor(node.runs_long, context=context)
-    executor.add_node(node)
-    for side in sides.values():
-        executor.add_node(side.node)
-    stop = threading.Event()
-
-    def spin():
-        while not stop.is_set() and rclpy.ok(context=context):
-            executor.spin_once(timeout_sec=0.05)
-
-    node.attach(executor)
-    thread = threading.Thread(target=spin, daemon=True)
-    thread.start()
-    yield node, sides, context
-    stop.set()
-    thread.join(timeout=10.0)
-    executor.shutdown(timeout_sec=5.0)
-    node.close()
-    node.destroy_node()
-    for side in sides.values():
-        side.node.destroy_node()
-    context.try_shutdown()
-    context.destroy()
+    with spinning_fleet(node, sides, context):
+        yield node, sides, context
 
 
 def _settings(context, parameters):
