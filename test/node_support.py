@@ -394,15 +394,17 @@ class RobotSide:
 
 @contextlib.contextmanager
 def spinning_fleet(node, sides, context):
-    """Spin an ``oxygen_fleet_node`` (``node``) and the robot sides' nodes (``sides``: a dict of
-    :class:`RobotSide`) on one transition executor in a background thread until the block exits; then stop the
-    thread, close and destroy the nodes, shut down and destroy ``context``."""
+    """Spin one ``oxygen_fleet_node`` (``node``, or a list of them: several servers) and the robot sides' nodes
+    (``sides``: a dict of :class:`RobotSide`) on one transition executor in a background thread until the block
+    exits; then stop the thread, close and destroy the nodes, shut down and destroy ``context``."""
     import rclpy
 
     from oxygen_ros.node.executor import TransitionExecutor
 
-    executor = TransitionExecutor(node.runs_long, context=context)
-    executor.add_node(node)
+    servers = list(node) if isinstance(node, (list, tuple)) else [node]
+    executor = TransitionExecutor(lambda entity: any(s.runs_long(entity) for s in servers), context=context)
+    for server in servers:
+        executor.add_node(server)
     for side in sides.values():
         executor.add_node(side.node)
     stop = threading.Event()
@@ -411,7 +413,8 @@ def spinning_fleet(node, sides, context):
         while not stop.is_set() and rclpy.ok(context=context):
             executor.spin_once(timeout_sec=0.05)
 
-    node.attach(executor)
+    for server in servers:
+        server.attach(executor)
     thread = threading.Thread(target=spin, daemon=True)
     thread.start()
     try:
@@ -420,8 +423,9 @@ def spinning_fleet(node, sides, context):
         stop.set()
         thread.join(timeout=10.0)
         executor.shutdown(timeout_sec=5.0)
-        node.close()
-        node.destroy_node()
+        for server in servers:
+            server.close()
+            server.destroy_node()
         for side in sides.values():
             side.node.destroy_node()
         context.try_shutdown()

@@ -1,7 +1,8 @@
 """oxygen_fleet_node over real DDS (loopback): three simulated robots in their namespaces on one model and
 one engine. Each robot receives its own chunks, computed from its own frames (the chunk's stamp is one of
 the frame stamps that robot sent, its observation_seq counts that robot's cycles); one robot's camera
-stops without effect on the others; one robot is removed and re-added by service while the others run."""
+stops without effect on the others; one robot is removed and re-added by service while the others run. Beyond
+one server: two servers, each serving the robots its configuration assigns."""
 
 from __future__ import annotations
 
@@ -101,3 +102,39 @@ def test_three_robots_on_one_engine(fleet):
 
     assert not node.set_parameters([Parameter("robots", value=[f"{base}/r9"])])[0].successful
     assert sorted(node.robots) == sorted(f"{base}/{r}" for r in ROBOTS)
+
+
+def test_two_servers_each_serve_the_robots_their_configuration_assigns():
+    """Several servers (docs/fleet.md): each oxygen_fleet_node serves the robot namespaces of its own ``robots``
+    parameter on its own engine; each robot gets chunks from its own frames, from the server assigned to it."""
+    import rclpy
+    from rclpy.context import Context
+    from rclpy.parameter import Parameter
+
+    from oxygen_ros.node.fleet_node import FleetNode
+
+    base = f"/servers_{os.getpid()}_{next(_IDS)}"
+    context = Context()
+    rclpy.init(context=context)
+    assignment = {"server_a": ("r1",), "server_b": ("r2", "r3")}
+    servers = {name: FleetNode(context=context, namespace=f"{base}/{name}",
+                               parameter_overrides=[Parameter("robots", value=[f"{base}/{r}" for r in robots]),
+                                                    Parameter("kv_budget_mb", value=48)],
+                               robot_parameters=lambda robot: tiny_parameters(**{"engine.kv_budget_mb": 16}))
+               for name, robots in assignment.items()}
+    sides = {r: RobotSide(context, f"{base}/{r}", 1000 * (i + 1)) for i, r in enumerate(ROBOTS)}
+    with spinning_fleet(list(servers.values()), sides, context):
+        for name, side in sides.items():
+            assert side.chunks_after(0), f"{name}: no chunk"
+        for name, robots in assignment.items():
+            server = servers[name]
+            assert sorted(server.robots) == sorted(server.server.robots) == [f"{base}/{r}" for r in robots]
+        assert servers["server_a"].server.fleet is not servers["server_b"].server.fleet      # one engine each
+        for name, side in sides.items():
+            _own_chunks(side, [s for n, s in sides.items() if n != name])
+            server = next(s for s, robots in assignment.items() if name in robots)
+            other = next(s for s in assignment if s != server)
+            # the assigned server's node for this robot ran the cycles; the other server has no node for it
+            assert servers[server].robot_node(f"{base}/{name}").engine is not None
+            with pytest.raises(KeyError):
+                servers[other].robot_node(f"{base}/{name}")
