@@ -242,6 +242,7 @@ class BagRecorder(Node):
                  discovery_period_s: float = 0.5, depth: int = 50,
                  node_name: str = "bag_recorder", **node_kwargs):
         super().__init__(node_name, **node_kwargs)
+        self.writer: BagWriter | None = None    # stays None when the writer cannot open (close() is then a no-op)
         self.writer = BagWriter(output, storage=storage)
         self._only = set(topics) if topics is not None else None
         self._exclude = re.compile(exclude) if exclude else None
@@ -310,7 +311,8 @@ class BagRecorder(Node):
 
     def close(self) -> None:
         """Stop recording and finish the bag; idempotent."""
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
     def destroy_node(self) -> None:
         self.close()

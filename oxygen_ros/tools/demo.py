@@ -124,8 +124,52 @@ def node_parameters(args: argparse.Namespace) -> dict:
         name, sep, value = item.partition(":=")
         if not sep:
             raise SystemExit(f"--param {item!r} is not of the form name:=value")
-        params[name] = yaml.safe_load(value)
+        params[name] = _param_value(name, value)
     return params
+
+
+def _param_value(name: str, text: str):
+    """The value of ``--param name:=text`` (YAML, as ``ros2 run ... -p``), checked against the node's declaration:
+    an integer for a float parameter becomes a float; an unknown name, malformed YAML or a value of another type
+    ends the demo with a message (SystemExit) instead of a traceback from the node's constructor."""
+    from oxygen_ros.node.parameters import DECLARATIONS, descriptor
+
+    declaration = DECLARATIONS.get(name)
+    if declaration is None:
+        raise SystemExit(f"--param {name}: the oxygen node has no such parameter (docs/parameters.md lists them)")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise SystemExit(f"--param {name}:={text!r}: not a YAML value ({getattr(err, 'problem', err)})") from None
+    default = declaration.default
+
+    def fits(v, d) -> bool:
+        if isinstance(d, bool) or isinstance(v, bool):
+            return isinstance(v, bool) and isinstance(d, bool)
+        if isinstance(d, float):
+            return isinstance(v, (int, float))
+        return isinstance(v, type(d))
+
+    if isinstance(default, Parameter.Type):        # an array parameter whose default is empty
+        ok = isinstance(value, list)
+        if ok and default == Parameter.Type.DOUBLE_ARRAY:
+            ok = all(fits(v, 0.0) for v in value)
+            value = [float(v) for v in value] if ok else value
+    elif isinstance(default, list):
+        ok = isinstance(value, list) and all(fits(v, default[0]) for v in value) if default else isinstance(value, list)
+        if ok and default and isinstance(default[0], float):
+            value = [float(v) for v in value]
+    else:
+        ok = not isinstance(default, (bool, int, float, str)) or fits(value, default)
+        if ok and isinstance(default, float):
+            value = float(value)
+    if not ok:
+        raise SystemExit(f"--param {name}:={text}: expects a value like {default!r}, got {value!r}")
+    ranges = descriptor(declaration)
+    for bound in (*ranges.floating_point_range, *ranges.integer_range):
+        if not bound.from_value <= value <= bound.to_value:
+            raise SystemExit(f"--param {name}:={text}: outside its range {bound.from_value:g} .. {bound.to_value:g}")
+    return value
 
 
 class DemoFollower(Node):
@@ -251,8 +295,10 @@ def main(argv: list[str] | None = None) -> int:
 
     wall_start = time.monotonic()
     run_dir = args.output or default_run_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if (run_dir / "bag").exists():
+        raise SystemExit(f"{run_dir} already holds a recording ({run_dir / 'bag'}); choose another --output")
     params = node_parameters(args)
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "oxygen_node_params.yaml").write_text(
         yaml.safe_dump({f"/**/{NODE_NAME}": {"ros__parameters": params}}, sort_keys=False))   # any namespace
 
@@ -296,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 continue
             if now >= next_progress:
-                log.info(f"{now - follower.first_chunk_time:.0f} s: {follower.chunks} action chunks, "
+                log.info(f"{max(0.0, now - follower.first_chunk_time):.0f} s: {follower.chunks} action chunks, "
                          f"{follower.final_utterances} utterances, {follower.memory_entries} memory entries")
                 next_progress += 10.0
             elapsed = now - follower.first_chunk_time

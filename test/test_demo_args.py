@@ -1,0 +1,47 @@
+"""The demo's command line (oxygen_ros/tools/demo.py): ``--param name:=value`` is checked against the node's
+parameter declarations before anything starts — an integer for a float parameter becomes a float, and an
+unknown name, malformed YAML, a value of another type or one outside the declared range ends the demo with a
+one-line message (SystemExit), never a traceback from the node's constructor."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.ros     # the demo module imports rclpy and the messages
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from oxygen_ros.tools import demo
+
+    return demo
+
+
+def _param(demo, item: str):
+    return demo.node_parameters(demo.parse_args(["--param", item]))[item.partition(":=")[0]]
+
+
+def test_param_values_take_the_declared_types(demo):
+    assert _param(demo, "speech.trigger.every_s:=2") == 2.0 and isinstance(_param(demo, "control_rate_hz:=5"), float)
+    assert _param(demo, "dtype:=bfloat16") == "bfloat16"
+    assert _param(demo, "autostart:=false") is False
+    assert _param(demo, "joint_names:=[a, b]") == ["a", "b"]
+
+
+@pytest.mark.parametrize("item, message", [
+    ("no_such_param:=1", "no such parameter"),
+    ("control_rate_hz:=abc", "expects a value like"),
+    ("control_rate_hz:=-4", "outside its range"),
+    ("speech.max_new_tokens:=[1,", "not a YAML value"),
+    ("autostart:=1", "expects a value like"),
+    ("control_rate_hz", "not of the form name:=value"),
+])
+def test_bad_param_values_end_with_a_message(demo, item, message):
+    with pytest.raises(SystemExit, match=message):
+        _param(demo, item)
+
+
+def test_an_output_directory_with_a_recording_is_refused(demo, tmp_path):
+    (tmp_path / "bag").mkdir()
+    with pytest.raises(SystemExit, match="already holds a recording"):
+        demo.main(["--output", str(tmp_path)])
+    assert not (tmp_path / "oxygen_node_params.yaml").exists()      # nothing of the earlier run overwritten
