@@ -138,3 +138,11 @@ def test_bad_training_settings_raise(dataset, tmp_path):
         train(_config(tmp_path / "missing", tmp_path / "out"))
     with pytest.raises(ValueError, match="validation episodes"):
         train(_config(dataset, tmp_path / "out", val_episodes=2))
+
+
+def test_main_without_episodes_ends_with_a_message(tmp_path):
+    from oxygen_ros.training import train
+
+    with pytest.raises(SystemExit, match="no episodes"):
+        train.main(["--data", str(tmp_path), "--out", str(tmp_path / "out"), "--steps", "1"])
+    assert not (tmp_path / "out").exists()

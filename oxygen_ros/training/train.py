@@ -485,6 +485,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 def main(argv: list[str] | None = None) -> int:
     """Train and print where the checkpoint went, the final losses and the evaluation."""
     config = parse_args(argv)
+    if not any(Path(config.data).glob("episode_*.hdf5")):
+        raise SystemExit(f"no episodes (episode_*.hdf5) in {config.data}: generate them first (make demo-data, "
+                         "python -m oxygen_ros.tools.demo_data) or pass --data")
     summary = train(config)
     final = summary["final"] or {}
     print(f"{summary['seconds']:.0f} s ({summary['seconds_per_step']:.3f} s/step); final loss "
