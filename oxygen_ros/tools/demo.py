@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -38,22 +39,27 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import rclpy
-import yaml
-from rclpy.context import Context
-from rclpy.executors import MultiThreadedExecutor
-from rclpy.node import Node
-from rclpy.parameter import Parameter
-from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
-from rclpy.signals import SignalHandlerOptions
-from std_msgs.msg import String
+if __name__ == "__main__":
+    # Ctrl-C while the heavy modules below are still importing (seconds on a loaded machine): end quietly with
+    # the shell's status for SIGINT; main() installs the run's own handler.
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
 
-from oxygen_ros.assets import demo_policy_dir
-from oxygen_ros.models.processing import ACTION_PROMPT
-from oxygen_ros.msg import ActionChunk, MemoryEntry, Speech
-from oxygen_ros.tools import sim_robot
-from oxygen_ros.tools.bag_recorder import BagRecorder, default_run_dir
-from oxygen_ros.tools.child_process import start_child, stop_child
+import rclpy  # noqa: E402
+import yaml  # noqa: E402
+from rclpy.context import Context  # noqa: E402
+from rclpy.executors import MultiThreadedExecutor  # noqa: E402
+from rclpy.node import Node  # noqa: E402
+from rclpy.parameter import Parameter  # noqa: E402
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy  # noqa: E402
+from rclpy.signals import SignalHandlerOptions  # noqa: E402
+from std_msgs.msg import String  # noqa: E402
+
+from oxygen_ros.assets import demo_policy_dir  # noqa: E402
+from oxygen_ros.models.processing import ACTION_PROMPT  # noqa: E402
+from oxygen_ros.msg import ActionChunk, MemoryEntry, Speech  # noqa: E402
+from oxygen_ros.tools import sim_robot  # noqa: E402
+from oxygen_ros.tools.bag_recorder import BagRecorder, default_run_dir  # noqa: E402
+from oxygen_ros.tools.child_process import start_child, stop_child  # noqa: E402
 
 NODE_NAME = "oxygen_node"
 # The simulated robot's cameras -> the model's camera slots (openpi's ALOHA image keys).
@@ -370,7 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     if follower is not None:
         (run_dir / "engine_cycles.json").write_text(
             json.dumps([follower.cycles[seq] for seq in sorted(follower.cycles)]))
-    if recorder is not None and (run_dir / "bag" / "metadata.yaml").is_file():
+    if follower is None or follower.first_chunk_time is None:
+        print(f"no action chunk arrived: no report (the reason is logged above; robot log {run_dir / 'sim_robot.log'})")
+    elif recorder is not None and (run_dir / "bag" / "metadata.yaml").is_file():
         result = report.write_report(run_dir)
         print(report.format_summary(result))
     print(f"robot process {robot.pid} ended (exit status {robot.returncode})")
