@@ -510,6 +510,58 @@ def _conventions(v: dict, joint_names: tuple[str, ...], cameras: tuple[CameraSet
     return conventions
 
 
+def parse_override(item: str) -> tuple[str, Any]:
+    """``name:=value`` (a tool's ``--param``, YAML as in ``ros2 run ... -p``) → ``(name, value)`` checked against
+    the parameter's declaration, so that a mistake is one line before any node starts rather than a traceback from
+    a node's constructor: an integer for a float parameter (or float array) becomes a float.
+
+    Raises:
+        ValueError: not of the form ``name:=value``, no such parameter, malformed YAML, a value of another type,
+            or outside the declared range (the descriptor's, which rclpy would enforce).
+    """
+    import yaml
+
+    name, sep, text = item.partition(":=")
+    if not sep:
+        raise ValueError(f"--param {item!r} is not of the form name:=value")
+    declaration = DECLARATIONS.get(name)
+    if declaration is None:
+        raise ValueError(f"--param {name}: the oxygen node has no such parameter (docs/parameters.md lists them)")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"--param {name}:={text!r}: not a YAML value ({getattr(err, 'problem', err)})") from None
+    default = declaration.default
+
+    def fits(v, d) -> bool:
+        if isinstance(d, bool) or isinstance(v, bool):
+            return isinstance(v, bool) and isinstance(d, bool)
+        if isinstance(d, float):
+            return isinstance(v, (int, float))
+        return isinstance(v, type(d))
+
+    if isinstance(default, Parameter.Type):        # an array parameter whose default is empty
+        ok = isinstance(value, list)
+        if ok and default == Parameter.Type.DOUBLE_ARRAY:
+            ok = all(fits(v, 0.0) for v in value)
+            value = [float(v) for v in value] if ok else value
+    elif isinstance(default, list):
+        ok = isinstance(value, list) and all(fits(v, default[0]) for v in value) if default else isinstance(value, list)
+        if ok and default and isinstance(default[0], float):
+            value = [float(v) for v in value]
+    else:
+        ok = not isinstance(default, (bool, int, float, str)) or fits(value, default)
+        if ok and isinstance(default, float):
+            value = float(value)
+    if not ok:
+        raise ValueError(f"--param {name}:={text}: expects a value like {default!r}, got {value!r}")
+    ranges = descriptor(declaration)
+    for bound in (*ranges.floating_point_range, *ranges.integer_range):
+        if not bound.from_value <= value <= bound.to_value:
+            raise ValueError(f"--param {name}:={text}: outside its range {bound.from_value:g} .. {bound.to_value:g}")
+    return name, value
+
+
 def check_dynamic_change(parameters: list[Parameter], lifecycle_state: str = "unconfigured") -> str | None:
     """Why a change of ``parameters`` is refused in ``lifecycle_state``, or None when it is accepted (for an
     ``add_on_set_parameters_callback``): a :data:`CONFIGURE_TIME` parameter while the node is configured

@@ -57,6 +57,7 @@ from std_msgs.msg import String  # noqa: E402
 from oxygen_ros.assets import demo_policy_dir  # noqa: E402
 from oxygen_ros.models.processing import ACTION_PROMPT  # noqa: E402
 from oxygen_ros.msg import ActionChunk, MemoryEntry, Speech  # noqa: E402
+from oxygen_ros.node.parameters import parse_override  # noqa: E402
 from oxygen_ros.tools import sim_robot  # noqa: E402
 from oxygen_ros.tools.bag_recorder import BagRecorder, default_run_dir  # noqa: E402
 from oxygen_ros.tools.child_process import start_child, stop_child  # noqa: E402
@@ -127,55 +128,12 @@ def node_parameters(args: argparse.Namespace) -> dict:
         # (the unified cache's sharing at its best; what makes the CPU demo meet its rates).
         params["speech.prompt_template"] = params["memory.prompt_template"] = ACTION_PROMPT
     for item in args.param:
-        name, sep, value = item.partition(":=")
-        if not sep:
-            raise SystemExit(f"--param {item!r} is not of the form name:=value")
-        params[name] = _param_value(name, value)
+        try:
+            name, value = parse_override(item)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        params[name] = value
     return params
-
-
-def _param_value(name: str, text: str):
-    """The value of ``--param name:=text`` (YAML, as ``ros2 run ... -p``), checked against the node's declaration:
-    an integer for a float parameter becomes a float; an unknown name, malformed YAML or a value of another type
-    ends the demo with a message (SystemExit) instead of a traceback from the node's constructor."""
-    from oxygen_ros.node.parameters import DECLARATIONS, descriptor
-
-    declaration = DECLARATIONS.get(name)
-    if declaration is None:
-        raise SystemExit(f"--param {name}: the oxygen node has no such parameter (docs/parameters.md lists them)")
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise SystemExit(f"--param {name}:={text!r}: not a YAML value ({getattr(err, 'problem', err)})") from None
-    default = declaration.default
-
-    def fits(v, d) -> bool:
-        if isinstance(d, bool) or isinstance(v, bool):
-            return isinstance(v, bool) and isinstance(d, bool)
-        if isinstance(d, float):
-            return isinstance(v, (int, float))
-        return isinstance(v, type(d))
-
-    if isinstance(default, Parameter.Type):        # an array parameter whose default is empty
-        ok = isinstance(value, list)
-        if ok and default == Parameter.Type.DOUBLE_ARRAY:
-            ok = all(fits(v, 0.0) for v in value)
-            value = [float(v) for v in value] if ok else value
-    elif isinstance(default, list):
-        ok = isinstance(value, list) and all(fits(v, default[0]) for v in value) if default else isinstance(value, list)
-        if ok and default and isinstance(default[0], float):
-            value = [float(v) for v in value]
-    else:
-        ok = not isinstance(default, (bool, int, float, str)) or fits(value, default)
-        if ok and isinstance(default, float):
-            value = float(value)
-    if not ok:
-        raise SystemExit(f"--param {name}:={text}: expects a value like {default!r}, got {value!r}")
-    ranges = descriptor(declaration)
-    for bound in (*ranges.floating_point_range, *ranges.integer_range):
-        if not bound.from_value <= value <= bound.to_value:
-            raise SystemExit(f"--param {name}:={text}: outside its range {bound.from_value:g} .. {bound.to_value:g}")
-    return value
 
 
 class DemoFollower(Node):

@@ -518,7 +518,7 @@ _PERTURB_FADE = 0.2           # the gain ramps in and out over this [s] (no step
 _ARM_JOINTS = np.r_[0:6, 7:13]
 _PROJECT_WINDOW = 25          # labels may come from up to this many steps before or after the step
 _PROJECT_TIME_COST = 2e-5     # [rad^2 per step^2]: ties (a static arm) go to the step's own time
-_PERTURB_RETRIES = (1.0, 0.5, 0.0)   # scales tried in turn until the perturbed replay still transfers
+_PERTURB_RETRIES = (1.0, 0.5)   # scales tried in turn until the perturbed replay still transfers; else none
 
 
 def perturbation(seed: int, steps: int, sigma: float) -> np.ndarray:
@@ -653,8 +653,10 @@ def generate_episode(seed: int, image_every: int = 5, width: int = 320, height: 
         for scale in _PERTURB_RETRIES:
             targets = (actions + scale * noise).astype(np.float32)
             trial = _replay(seed, targets, len(actions), width, height, ())
-            if scale == 0.0 or trial.phases[-1, 3]:
+            if trial.phases[-1, 3]:
                 break
+        else:       # no noisy replay transfers: the nominal one (already run) is the episode
+            scale, targets = 0.0, actions
         if scale > 0:
             deviated = np.abs(trial.qpos - nominal.qpos).max(axis=1) > 1e-6
             index = project_labels(trial.qpos, nominal.qpos, deviated)

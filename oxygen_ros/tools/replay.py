@@ -157,16 +157,16 @@ class BagPlayer(Node):
 
 
 def _parameter_overrides(items: Iterable[str]):
-    """``["name:=value", ...]`` → rclpy Parameters, values parsed as YAML (``3`` int, ``[a, b]`` list)."""
-    import yaml
+    """``["name:=value", ...]`` → rclpy Parameters, each checked against the oxygen node's declaration
+    (:func:`oxygen_ros.node.parameters.parse_override`; ValueError with a one-line message)."""
     from rclpy.parameter import Parameter
+
+    from oxygen_ros.node.parameters import parse_override
 
     overrides = []
     for item in items:
-        name, sep, value = item.partition(":=")
-        if not sep:
-            raise ValueError(f"--param {item!r} is not of the form name:=value")
-        overrides.append(Parameter(name, value=yaml.safe_load(value)))
+        name, value = parse_override(item)
+        overrides.append(Parameter(name, value=value))
     return overrides
 
 
