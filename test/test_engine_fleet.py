@@ -371,3 +371,13 @@ def test_fleet_uses_only_the_lanes_public_surface():
         ["1: getattr(lane, '_inbox')", "2: self._lanes[r]._enqueue"]
     assert private_accesses("self._core.pool\nlane.observe(obs)\nobj.__class__\n") == []
     assert private_accesses(Path(fleet_module.__file__).read_text()) == []
+
+
+def test_fleet_server_and_its_clients_use_only_each_others_public_surface():
+    """oxygen_ros/engine/fleet_server.py: the server keeps the events it holds for a robot itself
+    (``take_queued``) and clients call its public ``run_robot_cycle``: no private attribute of another object."""
+    from pathlib import Path
+
+    import oxygen_ros.engine.fleet_server as server_module
+
+    assert private_accesses(Path(server_module.__file__).read_text()) == []

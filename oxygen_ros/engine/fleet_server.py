@@ -49,6 +49,8 @@ class FleetServer:
         self._cond = threading.Condition()
         self._pending: dict[Hashable, _Call] = {}
         self._clients: dict[Hashable, RobotClient] = {}
+        # text events of cycles that did not serve their robot, held for its next call (guarded by _cond)
+        self._queued: dict[Hashable, list[TextEvent]] = {}
         self._closed = False
         self.cycles = 0
         self._thread = threading.Thread(target=self._serve, name="oxygen_fleet_server", daemon=True)
@@ -67,18 +69,49 @@ class FleetServer:
                 raise RuntimeError("fleet server is closed")
             lane = self.fleet.add_robot(robot_id, processor, config)
             client = self._clients[robot_id] = RobotClient(self, robot_id, lane)
+            self._queued[robot_id] = []
             return client
 
     def remove_robot(self, robot_id: Hashable) -> list[TextEvent]:
         """Remove a robot (:meth:`Fleet.remove_robot`): a call of it waiting for a cycle fails with
         RuntimeError; returns its final events and those its client still held. Raises KeyError."""
         with self._cond:
-            client = self._clients.pop(robot_id)
+            self._clients.pop(robot_id)
             call = self._pending.pop(robot_id, None)
+            queued = self._queued.pop(robot_id, [])
         if call is not None:
             call.error = RuntimeError(f"robot {robot_id!r} was removed from the fleet")
             call.done.set()
-        events = client._take_queued() + self.fleet.remove_robot(robot_id)
+        return queued + self.fleet.remove_robot(robot_id)
+
+    def run_robot_cycle(self, robot_id: Hashable, obs: Observation, deadline: float | None = None,
+                        on_action: Callable[[ActionChunk], None] | None = None) -> CycleResult:
+        """Serve ``robot_id``'s observation in the server's next batched cycle; blocks until then.
+
+        Returns the robot's :class:`CycleResult`, its text events led by those held for it since its last
+        call. Raises ValueError (refused observation), RuntimeError (robot not served, removed while
+        waiting, a cycle already waiting for it, server closed) or what the model or ``on_action`` raised.
+        """
+        call = _Call(obs, deadline, on_action)
+        with self._cond:
+            if self._closed or robot_id not in self._clients:
+                raise RuntimeError(f"robot {robot_id!r} is not served (removed, or the server closed)")
+            if robot_id in self._pending:
+                raise RuntimeError(f"robot {robot_id!r} already has a cycle waiting")
+            self._pending[robot_id] = call
+            self._cond.notify_all()
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def take_queued(self, robot_id: Hashable) -> list[TextEvent]:
+        """The text events held for ``robot_id`` (cycles that did not serve it), oldest first; [] for a
+        robot not (or no longer) served."""
+        with self._cond:
+            if robot_id not in self._queued:
+                return []
+            events, self._queued[robot_id] = self._queued[robot_id], []
         return events
 
     def close(self) -> None:
@@ -90,15 +123,6 @@ class FleetServer:
         for robot in self.robots:
             self.remove_robot(robot)
         self.fleet.close()
-
-    def _submit(self, robot_id: Hashable, call: _Call) -> None:
-        with self._cond:
-            if self._closed or robot_id not in self._clients:
-                raise RuntimeError(f"robot {robot_id!r} is not served (removed, or the server closed)")
-            if robot_id in self._pending:
-                raise RuntimeError(f"robot {robot_id!r} already has a cycle waiting")
-            self._pending[robot_id] = call
-            self._cond.notify_all()
 
     def _serve(self) -> None:
         while True:
@@ -136,10 +160,9 @@ class FleetServer:
             return
         self.cycles += 1
         with self._cond:
-            clients = dict(self._clients)
-        for robot, events in result.text_events.items():
-            if robot in clients:
-                clients[robot]._queue(events)
+            for robot, events in result.text_events.items():
+                if robot in self._queued:
+                    self._queued[robot] += events
         for robot, call in calls.items():
             if robot in result.errors:
                 call.error = result.errors[robot]
@@ -147,7 +170,7 @@ class FleetServer:
                 call.error = failed[robot]
             else:
                 cycle = result.cycles[robot]
-                queued = clients[robot]._take_queued() if robot in clients else []
+                queued = self.take_queued(robot)
                 call.result = CycleResult(cycle.action, queued + cycle.text_events, cycle.record)
             call.done.set()
 
@@ -186,8 +209,6 @@ class RobotClient:
         self.robot_id = robot_id
         self._server = server
         self._lane = lane
-        self._lock = threading.Lock()
-        self._queued: list[TextEvent] = []
 
     def __getattr__(self, name: str) -> Any:
         # submit, cancel, cancel_task, metrics, metrics_records, reset_metrics, counters,
@@ -205,12 +226,7 @@ class RobotClient:
 
         Raises ValueError (refused observation), RuntimeError (robot removed, server closed) or what
         the model or ``on_action`` raised."""
-        call = _Call(obs, deadline, on_action)
-        self._server._submit(self.robot_id, call)
-        call.done.wait()
-        if call.error is not None:
-            raise call.error
-        return call.result
+        return self._server.run_robot_cycle(self.robot_id, obs, deadline, on_action)
 
     def warm_up(self, obs: Observation, on_action: Callable[[ActionChunk], None] | None = None) -> float:
         """The lane's single-robot :meth:`Engine.warm_up` (serialised with the fleet's cycles)."""
@@ -218,12 +234,12 @@ class RobotClient:
 
     def take_events(self) -> tuple[list[TextEvent], list[MemoryEntry]]:
         """Events of cycles that did not serve this robot, and those produced between cycles."""
-        events = self._take_queued() + self._lane.take_events()[0]
+        events = self._server.take_queued(self.robot_id) + self._lane.take_events()[0]
         return events, memory_entries(events)
 
     def flush(self) -> tuple[list[TextEvent], list[MemoryEntry]]:
         """:meth:`Engine.flush` of this robot's requests (its queued events first)."""
-        events = self._take_queued() + self._lane.flush()[0]
+        events = self._server.take_queued(self.robot_id) + self._lane.flush()[0]
         return events, memory_entries(events)
 
     def close(self) -> list[TextEvent]:
@@ -232,13 +248,4 @@ class RobotClient:
         try:
             return self._server.remove_robot(self.robot_id)
         except KeyError:
-            return self._take_queued()
-
-    def _queue(self, events: list[TextEvent]) -> None:
-        with self._lock:
-            self._queued += events
-
-    def _take_queued(self) -> list[TextEvent]:
-        with self._lock:
-            events, self._queued = self._queued, []
-        return events
+            return []
