@@ -239,6 +239,7 @@ class _RobotSide:
     def close(self) -> None:
         self.executor.shutdown(timeout_sec=5.0)
         self.thread.join(timeout=5.0)
+        self.asker.destroy()    # a waitable: destroy_node leaves it, and it would keep the node alive
         self.node.destroy_node()
         self.context.try_shutdown()
         self.context.destroy()
