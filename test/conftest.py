@@ -18,18 +18,18 @@ Two guards against a hung run:
   the session, a node created there whose rcl node is still held fails the test (an error at teardown,
   naming the node and what holds it) after being destroyed explicitly — never by the collector. Detecting
   only looks at the handles: it neither collects nor finalises.
-* A per-test watchdog: :data:`TEST_TIMEOUT_S` after a test started (setup, call and teardown), faulthandler
-  (its own C thread, so also when the main thread spins holding the GIL) dumps every thread's stack to
-  stderr and ends the run with status 1: a hang is a diagnosable failure, not a CI timeout.
+* A per-test watchdog (pytest.ini: pytest's ``faulthandler_timeout`` with ``faulthandler_exit_on_timeout``;
+  pytest-timeout is not a dependency): 900 s after a test started (setup, call and teardown), faulthandler,
+  from a C thread of its own (so also when the main thread spins holding the GIL), dumps every thread's
+  stack to stderr and ends the run with status 1 — a hang is a diagnosable failure, not a CI timeout. The
+  whole suite takes 6-8 min on 2 loaded cores; ``-o faulthandler_timeout=0`` disables the watchdog.
 """
 from __future__ import annotations
 
-import faulthandler
 import functools
 import gc
 import itertools
 import os
-import sys
 import time
 import weakref
 from pathlib import Path
@@ -55,21 +55,6 @@ def _ros_available() -> bool:
 
 
 ROS_AVAILABLE = _ros_available()
-
-# Seconds a test may take (setup, call and teardown) before faulthandler dumps all stacks and ends the run
-# (status 1); OXYGEN_TEST_TIMEOUT_S overrides, 0 disables. The whole suite takes 6-8 min on 2 loaded cores.
-TEST_TIMEOUT_S = float(os.environ.get("OXYGEN_TEST_TIMEOUT_S", "900"))
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    if TEST_TIMEOUT_S > 0:
-        faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True, file=sys.stderr)
-    try:
-        yield
-    finally:
-        if TEST_TIMEOUT_S > 0:
-            faulthandler.cancel_dump_traceback_later()
 
 
 # ---- node leak guard (module docstring) ----------------------------------------------------------------
