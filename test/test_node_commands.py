@@ -26,7 +26,14 @@ class _Asker:
         self.Ask = Ask
         self.harness = harness
         self.client = ActionClient(harness.robot, Ask, harness.topic("oxygen_node/ask"))
-        assert self.client.wait_for_server(timeout_sec=20.0)
+        if not self.client.wait_for_server(timeout_sec=20.0):
+            self.close()
+            raise AssertionError("no ~/ask server")
+
+    def close(self) -> None:
+        """Destroy the action client (``destroy_node`` leaves a node's waitables, which would keep the robot
+        node alive until garbage collection)."""
+        self.client.destroy()
 
     def send(self, **goal):
         """Send a goal; returns (goal_handle or None when rejected, feedback list)."""
@@ -68,7 +75,9 @@ def harness():
 
 @pytest.fixture(scope="module")
 def asker(harness):
-    return _Asker(harness)
+    asker = _Asker(harness)
+    yield asker
+    asker.close()
 
 
 def _speech(harness, utterance_id):
@@ -209,7 +218,10 @@ def test_an_unconfigured_node_refuses_goals_and_instructions_but_can_be_paused()
     h = Harness(tiny_parameters(autostart=False))
     try:
         asker = _Asker(h)
-        assert asker.send(task="speech")[0] is None
+        try:
+            assert asker.send(task="speech")[0] is None
+        finally:
+            asker.close()
         response = _call(h, SetInstruction, "set_instruction", SetInstruction.Request(instruction="wave"))
         assert not response.accepted and "unconfigured" in response.message
         paused = _call(h, SwitchActions, "pause_actions", SwitchActions.Request())

@@ -127,6 +127,42 @@ def test_harnesses_do_not_answer_each_others_lifecycle_services():
         second.close()
 
 
+def test_destroy_node_takes_the_node_off_the_graph_at_once(ros_context):
+    """``OxygenNode.destroy_node`` finalises the rcl node itself, lifecycle state machine included (rclpy's
+    LifecycleNode leaves that to the garbage collector, and a DDS participant destroyed from there can hang):
+    another context sees the node leave the graph while the Python object is still referenced and the
+    collector is off. Waits are bounded only to fail instead of hanging."""
+    import gc
+
+    import rclpy
+    from rclpy.context import Context
+
+    from oxygen_ros.node.oxygen_node import OxygenNode
+
+    namespace = f"/destroy_{os.getpid()}"
+    watcher_context = Context()
+    rclpy.init(context=watcher_context)
+    watcher = rclpy.create_node("graph_watcher", context=watcher_context, namespace=namespace)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        node = OxygenNode(context=ros_context, namespace=namespace, parameter_overrides=tiny_parameters(
+            autostart=False))
+        on_graph = lambda: ("oxygen_node", namespace) in watcher.get_node_names_and_namespaces()  # noqa: E731
+        try:
+            assert wait_for(on_graph, 30.0), "the watcher never saw the node"
+        finally:
+            node.destroy_node()
+        assert wait_for(lambda: not on_graph(), 30.0), "the node is still on the graph after destroy_node"
+        node.destroy_node()     # idempotent
+    finally:
+        if was_enabled:
+            gc.enable()
+        watcher.destroy_node()
+        watcher_context.try_shutdown()
+        watcher_context.destroy()
+
+
 def test_configure_failure_is_reported_and_nothing_is_loaded():
     harness = Harness(tiny_parameters(autostart=False, preset="no_such_preset"))
     try:
@@ -239,6 +275,7 @@ class _RobotSide:
     def close(self) -> None:
         self.executor.shutdown(timeout_sec=5.0)
         self.thread.join(timeout=5.0)
+        self.asker.destroy()    # a waitable: destroy_node leaves it, and it would keep the node alive
         self.node.destroy_node()
         self.context.try_shutdown()
         self.context.destroy()

@@ -497,12 +497,20 @@ class OxygenNode(LifecycleNode):
         self._release()
 
     def destroy_node(self) -> None:
-        """Stop the control-cycle thread and free the engine first: a cycle thread left running would
-        still be inside torch when the interpreter tears down (``terminate called without an active
-        exception``)."""
+        """Destroy the node now, with everything it created: stop the control-cycle thread and free the engine
+        first (a cycle thread left running would still be inside torch when the interpreter tears down:
+        ``terminate called without an active exception``), then the ``~/ask`` action server (a waitable, which
+        ``Node.destroy_node`` leaves), the node's own entities, and last the lifecycle state machine.
+
+        rclpy's ``LifecycleNode`` has no ``destroy_node`` of its own: its state machine keeps the rcl node
+        (and, when it is the context's last node, Fast DDS's participant) alive until the garbage collector
+        finalises it at an arbitrary moment, where destroying the participant can wait forever on a
+        participant-listener callback in flight. Destroying it here finalises the rcl node deterministically,
+        as soon as no executor wait still holds one of its entities. Idempotent."""
         self._release()
         self._commands.destroy()
         super().destroy_node()
+        self._state_machine.destroy_when_not_in_use()
 
     def _release(self) -> None:
         self._stop_cycles()
