@@ -17,16 +17,18 @@ import pytest
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
-SEED = 1000          # the evaluation's first cube pose (outside the training data's seeds 0..99)
+SEED = 1008          # a cube pose of the evaluation's seeds (outside the training data's seeds 0..99)
 MAX_STEPS = 200      # 4 s of the 10.6 s episode
 EXECUTE_STEPS = 10
 # What the shipped policy reaches on SEED within MAX_STEPS in the synchronous lockstep schedule (measured).
 # A retrained policy behaves differently: re-measure and update (docs/demo-policy.md, "The shipped policy").
-# Measured on the shipped policy (trained on DART-style demonstrations): in 200-step sync episodes it reached no
-# phase on seeds 1000, 1001, 1003, 1009, 1013, 1015 and 1018; on 1000 it brings the right grasp point from 0.305 m
-# to 5.4 cm of the cube (step 91), not within the 3 cm of "reached" (whole episodes through the node:
+# Measured on the shipped policy (trained with the cube-location target): on SEED the right grasp point comes
+# from 0.307 m to 3.1 cm of the cube by step 199 in this test's process, and to within the 3 cm of "reached" in
+# an evaluate run of the same episode — a margin of millimetres that threads and instruction sets can move, so
+# "reached" is not asserted, only what holds with margin: close to the cube, nothing grasped within 4 s. Over
+# 200-step sync episodes on seeds 1000-1009 it reached only on 1008 (whole episodes through the node:
 # docs/demo-policy.md).
-EXPECTED_OUTCOME = {"reached": False, "grasped": False, "lifted": False, "transferred": False}
+NOT_REACHED_IN_4_S = ("grasped", "lifted", "transferred")
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +144,11 @@ def test_seeded_sync_episode_on_the_shipped_weights_is_deterministic(evaluate, s
     spoken = [text.strip() for _, text in first["speech"]]
     print(f"seed {SEED}: outcome {outcome}, right grasp point to cube {distance[0]:.3f} -> min {distance.min():.3f} m "
           f"at step {int(distance.argmin())}, speech {spoken[:12]}, memory {[t for _, t in first['memory']][:6]}")
-    # The outcome the shipped policy reaches on this seed (measured; see EXPECTED_OUTCOME).
-    assert outcome == EXPECTED_OUTCOME, outcome
-    # It moves the right arm to the cube: the grasp point comes from ~0.30 m to within ~5 cm (measured 0.054 m;
-    # "reached" needs 3 cm), asserted with margin.
-    assert distance[0] > 0.25 and distance.min() < 0.12, (distance[0], distance.min())
+    # The outcome the shipped policy reaches on this seed (measured; see SEED): no grasp within 4 s ...
+    assert not any(outcome[phase] for phase in NOT_REACHED_IN_4_S), outcome
+    # ... but the right arm goes to the cube: the grasp point comes from ~0.31 m to ~3 cm of it (measured 0.031 m),
+    # asserted with margin.
+    assert distance[0] > 0.25 and distance.min() < 0.06, (distance[0], distance.min())
     # Its first utterance is the subtask the task starts with; one utterance per frame, decoded to the end.
     assert len(spoken) == MAX_STEPS // EXECUTE_STEPS and spoken[0] == info["subtasks"][0], spoken
     assert len(first["memory"]) == MAX_STEPS // EXECUTE_STEPS

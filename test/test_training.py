@@ -131,6 +131,62 @@ def test_trainer_writes_a_checkpoint_the_loader_and_engine_serve(dataset, tmp_pa
         engine.close()
 
 
+def test_location_targets_only_where_the_cube_lies_on_the_table_and_the_pool_repeats_the_approach(dataset):
+    from oxygen_ros.models import get_preset
+    from oxygen_ros.tools.demo_data import SUBTASKS, read_episode
+    from oxygen_ros.training.data import compute_norm_stats, episode_files, load_samples
+    from oxygen_ros.training.train import (APPROACH_SUBTASKS, LOCATE_PROMPT, Batches, build_processor,
+                                           locate_target, training_pool)
+
+    # By hand: world position in metres -> whole centimetres (0.1097 m -> 11, 0.543 m -> 54, 0.155 -> 16).
+    assert locate_target(np.array([0.1097, 0.543, 0.02])) == "x 11 y 54"
+    assert locate_target(np.array([0.004, 0.4, 0.0])) == "x 0 y 40"
+    assert locate_target(np.array([-0.031, 0.6049, 0.0])) == "x -3 y 60"
+
+    config = get_preset("pi05_demo", image_size=56)
+    files = episode_files(dataset)
+    samples = load_samples(files, config.image_size, config.action_horizon)
+    for index, path in enumerate(files):
+        np.testing.assert_array_equal(samples.cube_start[samples.episode == index],
+                                      np.broadcast_to(read_episode(path).cube_start[:3], ((samples.episode == index).sum(), 3)))
+    processor = build_processor(config, compute_norm_stats(samples))
+    batches = Batches(samples, processor, 0, 0.0, locate=1.0)
+    on_table = [c.startswith("the cube is on the ") for c in samples.caption]
+    assert any(on_table) and not all(on_table)
+    tok = processor.tokenizer
+    for i in range(len(samples)):
+        if on_table[i]:
+            assert batches.locate_text[i] == locate_target(samples.cube_start[i])
+            assert tok.decode(batches.locate_target[i]) == batches.locate_text[i]
+            assert batches.locate_target[i][-1] == tok.eos_id
+        else:
+            assert batches.locate_text[i] is None and batches.locate_target[i] is None
+    # locate = 1: every on-table sample trains its location after the location prompt; the others never do.
+    idx = np.arange(len(samples))
+    prompts, targets, is_subtask = batches.language(idx, np.random.default_rng(0))
+    loc_prompt = [tok.decode(p) for p in batches.locate_prompt]
+    for i in idx:
+        if on_table[i]:
+            assert targets[i] == batches.locate_target[i] and prompts[i] == batches.locate_prompt[i]
+            assert "Cube:" in loc_prompt[i] and not is_subtask[i]
+        else:
+            assert targets[i] in (batches.subtask_target[i], batches.caption_target[i])
+    assert LOCATE_PROMPT.endswith("Cube: ")
+    # locate = 0: never the location.
+    off = Batches(samples, processor, 0, 0.0, locate=0.0)
+    _, targets, _ = off.language(idx, np.random.default_rng(0))
+    assert all(t in (off.subtask_target[i], off.caption_target[i]) for i, t in zip(idx, targets))
+
+    approach = [i for i in idx if samples.subtask[i] in APPROACH_SUBTASKS]
+    assert approach and len(approach) < len(idx)
+    assert sorted(training_pool(samples, idx, 1).tolist()) == idx.tolist()
+    tripled = training_pool(samples, idx, 3).tolist()
+    for i in idx:
+        assert tripled.count(i) == (3 if samples.subtask[i] in APPROACH_SUBTASKS else 1), SUBTASKS[samples.subtask[i]]
+    with pytest.raises(ValueError, match="approach_repeat"):
+        training_pool(samples, idx, 0)
+
+
 def test_bad_training_settings_raise(dataset, tmp_path):
     from oxygen_ros.training.train import train
 
@@ -138,6 +194,8 @@ def test_bad_training_settings_raise(dataset, tmp_path):
         train(_config(tmp_path / "missing", tmp_path / "out"))
     with pytest.raises(ValueError, match="validation episodes"):
         train(_config(dataset, tmp_path / "out", val_episodes=2))
+    with pytest.raises(ValueError, match="locate"):
+        train(_config(dataset, tmp_path / "out", locate=1.5))
 
 
 def test_main_without_episodes_ends_with_a_message(tmp_path):

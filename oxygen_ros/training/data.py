@@ -39,6 +39,8 @@ class DemoSamples:
         state: float64 ``[N, 14]`` joint state (gym-aloha ``JOINTS`` order and units).
         actions: float64 ``[N, H, 14]`` absolute position targets.
         subtask: int64 ``[N]`` indices into :data:`SUBTASKS`; caption: ``[N]`` strings.
+        cube_start: float64 ``[N, 3]`` the cube's start position in the world frame [m] (its episode's
+            ``/cube_start``; where the cube still is while the caption says it lies on the table).
         episode: int64 ``[N]`` index of each sample's episode (in ``files`` order).
         files: the episode files read.
         all_states, all_actions: float64 ``[M, 14]`` every step of every episode (for statistics).
@@ -49,6 +51,7 @@ class DemoSamples:
     actions: np.ndarray
     subtask: np.ndarray
     caption: list[str]
+    cube_start: np.ndarray
     episode: np.ndarray
     files: list[Path]
     all_states: np.ndarray
@@ -87,7 +90,7 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
     Raises:
         ValueError: an episode without the demo cameras or without images.
     """
-    pixels, state, actions, subtask, caption, episode = [], [], [], [], [], []
+    pixels, state, actions, subtask, caption, episode, cube = [], [], [], [], [], [], []
     all_states, all_actions = [], []
     for index, path in enumerate(files):
         ep = read_episode(path)
@@ -111,9 +114,11 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
             actions.append(ep.action[idx].astype(np.float64))
             subtask.append(int(ep.subtask[s]))
             caption.append(ep.caption[s])
+            cube.append(np.asarray(ep.cube_start, np.float64)[:3])
             episode.append(index)
     return DemoSamples(pixels=np.concatenate(pixels), state=np.stack(state), actions=np.stack(actions),
                        subtask=np.asarray(subtask, np.int64), caption=caption,
+                       cube_start=np.asarray(cube, np.float64).reshape(-1, 3),
                        episode=np.asarray(episode, np.int64), files=list(files),
                        all_states=np.concatenate(all_states), all_actions=np.concatenate(all_actions))
 
