@@ -204,3 +204,7 @@ def test_main_without_episodes_ends_with_a_message(tmp_path):
     with pytest.raises(SystemExit, match="no episodes"):
         train.main(["--data", str(tmp_path), "--out", str(tmp_path / "out"), "--steps", "1"])
     assert not (tmp_path / "out").exists()
+    for bad in (["--locate", "2"], ["--approach-repeat", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            train.parse_args(["--data", str(tmp_path)] + bad)
+        assert exit_info.value.code == 2, bad          # argparse's usage error, no traceback

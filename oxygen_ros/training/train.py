@@ -544,6 +544,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--save-every", type=int, default=d.save_every,
                         help=f"steps between part-way checkpoints, 0 = only at the end (default {d.save_every})")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.locate <= 1.0:
+        parser.error(f"--locate must be in [0, 1], got {args.locate}")
+    if args.approach_repeat < 1:
+        parser.error(f"--approach-repeat must be >= 1, got {args.approach_repeat}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return TrainConfig(data=args.data, out=args.out, preset=args.preset, steps=args.steps,
                        batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, text_weight=args.text_weight,
