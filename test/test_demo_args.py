@@ -1,7 +1,8 @@
 """The demo's command line (oxygen_ros/tools/demo.py): ``--param name:=value`` is checked against the node's
 parameter declarations before anything starts — an integer for a float parameter becomes a float, and an
 unknown name, malformed YAML, a value of another type or one outside the declared range ends the demo with a
-one-line message (SystemExit), never a traceback from the node's constructor."""
+one-line message (SystemExit), never a traceback from the node's constructor. The same for the demo's and the
+demonstration generator's (tools/demo_data.py) other arguments."""
 from __future__ import annotations
 
 import pytest
@@ -45,3 +46,32 @@ def test_an_output_directory_with_a_recording_is_refused(demo, tmp_path):
     with pytest.raises(SystemExit, match="already holds a recording"):
         demo.main(["--output", str(tmp_path)])
     assert not (tmp_path / "oxygen_node_params.yaml").exists()      # nothing of the earlier run overwritten
+
+
+@pytest.mark.parametrize("argv", [["--duration", "0"], ["--duration", "-1"], ["--startup-timeout", "0"],
+                                  ["--max-duration", "-5"]])
+def test_non_positive_durations_are_usage_errors(demo, argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        demo.parse_args(argv)
+    assert exit_info.value.code == 2 and "must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--episodes", "0"], "--episodes must be >= 1"), (["--workers", "0"], "--workers must be >= 1"),
+    (["--image-every", "0"], "--image-every must be >= 1"), (["--width", "0"], "--width must be >= 1"),
+    (["--perturb", "-1"], "--perturb must be >= 0")])
+def test_bad_demo_data_arguments_are_usage_errors(argv, message, capsys):
+    from oxygen_ros.tools import demo_data
+
+    with pytest.raises(SystemExit) as exit_info:
+        demo_data.parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_demo_data_refuses_an_output_directory_it_cannot_create(tmp_path):
+    from oxygen_ros.tools import demo_data
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(SystemExit, match="cannot create the output directory"):
+        demo_data.main(["--out", str(blocker / "data"), "--episodes", "1"])

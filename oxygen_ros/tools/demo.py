@@ -167,7 +167,8 @@ class DemoFollower(Node):
         if msg.final:
             self.final_utterances += 1
             self.completed_utterances += msg.status == Speech.STATUS_COMPLETED
-            self.get_logger().info(f"speech [{msg.status}] {msg.text!r}")
+            status = {Speech.STATUS_COMPLETED: "completed"}.get(msg.status, f"status {msg.status}")
+            self.get_logger().info(f"speech ({status}) {msg.text!r}")
 
     def _on_memory(self, msg: MemoryEntry) -> None:
         self.memory_entries += 1
@@ -191,7 +192,7 @@ def _start_robot(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="oxygen_ros demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m oxygen_ros.tools.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--duration", type=float, default=60.0,
                         help="seconds to run once the first action chunk arrived [s] (default 60)")
     parser.add_argument("--startup-timeout", type=float, default=120.0,
@@ -237,6 +238,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--param", action="append", default=[], metavar="NAME:=VALUE",
                         help="any oxygen node parameter (repeatable), e.g. --param dtype:=bfloat16")
     args = parser.parse_args(argv)
+    for name in ("duration", "startup_timeout", "max_duration"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0 s, got {getattr(args, name)}")
     defaults = dict(RANDOM_WEIGHTS) if args.random_weights else {
         "preset": "pi05_demo", "checkpoint": str(demo_policy_dir()), "instruction": None,
         "language_prompt": None, "control_rate": 4.0, "speech_every": 1.0}

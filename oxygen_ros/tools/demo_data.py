@@ -828,12 +828,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--perturb", type=float, default=PERTURB_SIGMA,
                         help="DART noise on the executed arm targets, std per joint [rad] (default "
                              f"{PERTURB_SIGMA}; 0: the expert's nominal replay)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in ("episodes", "image_every", "width", "height", "workers"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.perturb >= 0.0:
+        parser.error(f"--perturb must be >= 0, got {args.perturb}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Generate the dataset and print the expert's success rate per phase."""
     args = parse_args(argv)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SystemExit(f"demo_data: cannot create the output directory {args.out}: {error.strerror}") from None
     summary = generate_dataset(args.out, args.episodes, args.seed, args.image_every, args.width, args.height,
                                workers=args.workers, perturb=args.perturb)
     for phase, s in summary["success"].items():

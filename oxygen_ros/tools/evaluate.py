@@ -40,7 +40,7 @@ lockstep a chunk arrives every ``--execute-steps`` steps, so up to ``ceil(H / ex
 Output (``--out``, default ``runs/eval-<timestamp>``): ``eval.json`` (everything), ``eval.md`` (the table,
 also printed), ``<condition>/episode_<seed>.png`` (contact sheets), ``node_params_<condition>.yaml``.
 
-Command line: ``python -m oxygen_ros.tools.evaluate --checkpoint runs/train-demo/checkpoint`` (``--help``);
+Command line: ``python -m oxygen_ros.tools.evaluate`` (the shipped policy; ``--checkpoint runs/train-demo/checkpoint`` for a retrained one; ``--help``);
 ``make eval-demo EVAL_ARGS="..."``.
 """
 
@@ -1096,8 +1096,11 @@ def evaluate(args) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m oxygen_ros.tools.evaluate", description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", default="runs/train-demo/checkpoint",
-                        help="checkpoint directory (default runs/train-demo/checkpoint; empty: random weights)")
+    from oxygen_ros.assets import demo_policy_dir
+
+    parser.add_argument("--checkpoint", default=str(demo_policy_dir()),
+                        help="checkpoint directory (default: the shipped demo policy, oxygen_ros/assets/demo_policy; "
+                             "runs/train-demo/checkpoint after make train-demo; empty: random weights)")
     parser.add_argument("--preset", default="pi05_demo", help="model preset (default pi05_demo)")
     parser.add_argument("--conditions", default=",".join(CONDITIONS),
                         help=f"comma-separated subset of {','.join(CONDITIONS)} (default all)")
@@ -1122,17 +1125,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="node-lockstep: the node's control_rate_hz, how often it looks for a new complete "
                              "observation [Hz] (default 20)")
     parser.add_argument("--chunk-timeout", type=float, default=120.0,
-                        help="node-lockstep: wall seconds to wait for a chunk before the episode is aborted")
+                        help="node-lockstep: wall seconds to wait for a chunk before the episode is aborted (default 120)")
     parser.add_argument("--resend", type=float, default=5.0,
                         help="node-lockstep: resend the clock and inputs after this many wall seconds without "
-                             "a chunk")
+                             "a chunk (default 5)")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
-                        help="wall seconds for the node to become active")
-    parser.add_argument("--control-rate", type=float, default=3.0, help="node-realtime: chunks per second (demo's)")
-    parser.add_argument("--camera-rate", type=float, default=1.0, help="node-realtime: images/s per camera (demo's)")
-    parser.add_argument("--staleness", type=float, default=1.5, help="node-realtime: staleness limit [s] (demo's)")
-    parser.add_argument("--speech-every", type=float, default=1.0, help="node-realtime: an utterance every N s")
-    parser.add_argument("--memory-every", type=float, default=1.0, help="node-realtime: a memory entry every N s")
+                        help="wall seconds for the node to become active (default 300)")
+    parser.add_argument("--control-rate", type=float, default=3.0, help="node-realtime: chunks per second (default 3; the demo runs 4)")
+    parser.add_argument("--camera-rate", type=float, default=1.0, help="node-realtime: images/s per camera (default 1, the demo's)")
+    parser.add_argument("--staleness", type=float, default=1.5, help="node-realtime: staleness limit [s] (default 1.5, the demo's)")
+    parser.add_argument("--speech-every", type=float, default=1.0, help="node-realtime: an utterance every N s (default 1)")
+    parser.add_argument("--memory-every", type=float, default=1.0, help="node-realtime: a memory entry every N s (default 1; the demo: 2)")
     parser.add_argument("--param", action="append", default=[], metavar="NAME:=VALUE",
                         help="any oxygen node parameter for every condition (repeatable), e.g. "
                              "--param speech.prompt_template:='...'")

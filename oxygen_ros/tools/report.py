@@ -274,6 +274,8 @@ def format_summary(summary: dict) -> str:
                  f"({num(summary['memory_entries_per_10s'], '.1f')} per 10 s)")
     captions = summary.get("memory_captions") or summary["memory_texts"]
     lines += [f"                     “{text}”" for text in captions[:5]]
+    if len(captions) > 5:
+        lines.append(f"                     ... {len(captions) - 5} more")
     lines += [
         f"tokens/s           {num(summary['tokens_per_s_engine'], '.1f')} over engine time, "
         f"{num(summary['tokens_per_s_wall'], '.1f')} over wall time",

@@ -435,6 +435,8 @@ def train(config: TrainConfig) -> dict:
     processor = build_processor(model_config, stats)
     if not 0.0 <= config.locate <= 1.0:
         raise ValueError(f"locate must be in [0, 1], got {config.locate}")
+    if config.steps < 1 or config.batch_size < 1:
+        raise ValueError(f"steps and batch_size must be >= 1, got {config.steps} and {config.batch_size}")
     batches = Batches(samples, processor, config.seed, config.subtask_in_action_prompt, config.locate)
     val_files = set(range(len(files) - config.val_episodes, len(files)))
     is_val = np.isin(samples.episode, list(val_files))
@@ -548,6 +550,14 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         parser.error(f"--locate must be in [0, 1], got {args.locate}")
     if args.approach_repeat < 1:
         parser.error(f"--approach-repeat must be >= 1, got {args.approach_repeat}")
+    for name in ("steps", "batch_size", "log_every", "image_stride"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("val_episodes", "eval_samples", "warmup", "save_every"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not args.lr > 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return TrainConfig(data=args.data, out=args.out, preset=args.preset, steps=args.steps,
                        batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, text_weight=args.text_weight,
@@ -564,7 +574,10 @@ def main(argv: list[str] | None = None) -> int:
     if not any(Path(config.data).glob("episode_*.hdf5")):
         raise SystemExit(f"no episodes (episode_*.hdf5) in {config.data}: generate them first (make demo-data, "
                          "python -m oxygen_ros.tools.demo_data) or pass --data")
-    summary = train(config)
+    try:
+        summary = train(config)
+    except ValueError as error:             # settings that do not fit the data (e.g. --val-episodes)
+        raise SystemExit(f"train: {error}") from None
     final = summary["final"] or {}
     print(f"{summary['seconds']:.0f} s ({summary['seconds_per_step']:.3f} s/step); final loss "
           f"{final.get('loss', float('nan')):.4f} (flow {final.get('flow', float('nan')):.4f}, "
