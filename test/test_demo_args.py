@@ -32,6 +32,7 @@ def test_param_values_take_the_declared_types(demo):
     ("no_such_param:=1", "no such parameter"),
     ("control_rate_hz:=abc", "expects a value like"),
     ("control_rate_hz:=-4", "outside its range"),
+    ("control_rate_hz:=0", "must be > 0"),          # an open bound the ROS range (0 .. 1000) cannot express
     ("speech.max_new_tokens:=[1,", "not a YAML value"),
     ("autostart:=1", "expects a value like"),
     ("control_rate_hz", "not of the form name:=value"),
