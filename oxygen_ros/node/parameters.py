@@ -559,10 +559,13 @@ def parse_override(item: str) -> tuple[str, Any]:
     for bound in (*ranges.floating_point_range, *ranges.integer_range):
         if not bound.from_value <= value <= bound.to_value:
             raise ValueError(f"--param {name}:={text}: outside its range {bound.from_value:g} .. {bound.to_value:g}")
-    knob = declaration.knob
-    # An open lower bound (e.g. a rate > 0), which a ROS range cannot express: its off value stays allowed.
-    if knob.low is not None and knob.low_open and value <= knob.low and not (knob.off is not None and value == knob.off):
-        raise ValueError(f"--param {name}:={text}: must be > {knob.low:g}")
+    if type(default) in (int, float):        # a number (not a bool, nor a Parameter.Type, an IntEnum)
+        # The knob's own check (Knob.check, as at configure): also an open lower bound such as a rate > 0,
+        # which the ROS range above cannot express.
+        try:
+            declaration.knob.check(name, value, type(default).__name__)
+        except ValueError as err:
+            raise ValueError(f"--param {name}:={text}: {err}") from None
     return name, value
 
 

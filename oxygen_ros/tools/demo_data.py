@@ -416,6 +416,11 @@ def phase_flags(state: SceneState, rest_height: float) -> np.ndarray:
     return np.array([reached, state.right_holds, lifted, transferred])
 
 
+# The start of scene_caption's caption for a cube lying on the table, held by neither gripper (training's
+# cube-location target is taken on exactly these samples: oxygen_ros/training/train.py).
+ON_TABLE_CAPTION = "the cube is on the "
+
+
 def scene_caption(state: SceneState) -> str:
     """A short caption of the scene for memory: where the cube is and which gripper holds it."""
     if state.left_holds and state.right_holds:
@@ -425,7 +430,7 @@ def scene_caption(state: SceneState) -> str:
         if not state.on_table:
             return "the cube is in the air"
         side = "left" if state.cube[0] < -0.05 else "right" if state.cube[0] > 0.05 else "middle"
-        return f"the cube is on the {side} of the table"
+        return f"{ON_TABLE_CAPTION}{side} of the table"
     return f"{holder} holds the cube " + ("on the table" if state.on_table else "in the air")
 
 

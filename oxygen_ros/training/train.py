@@ -59,16 +59,15 @@ from oxygen_ros.models.gemma import AdaRMSNorm, RMSNorm
 from oxygen_ros.models.processing import Processor, pad_to
 from oxygen_ros.models.tokenizer import load_tokenizer
 from oxygen_ros.models.vla import VLAModel
-from oxygen_ros.tools.demo_data import INSTRUCTION, JOINTS, SUBTASKS
+# ON_TABLE_CAPTION starts the captions of a cube lying untouched on the table: there it is still at its start
+# position, the location target's ground truth.
+from oxygen_ros.tools.demo_data import INSTRUCTION, JOINTS, ON_TABLE_CAPTION, SUBTASKS
 from oxygen_ros.training.data import (CAMERA_SLOTS, DemoSamples, compute_norm_stats, episode_files,
                                       load_samples)
 
 SUBTASK_PROMPT = "Task: {instruction}, State: {state};\nSubtask: "
 CAPTION_PROMPT = "Task: {instruction}, State: {state};\nScene: "
 LOCATE_PROMPT = "Task: {instruction}, State: {state};\nCube: "
-# Captions of demo_data.scene_caption that say the cube lies on the table, untouched: there it is still at
-# its start position, the location target's ground truth.
-ON_TABLE_CAPTION = "the cube is on the "
 # Subtask indices whose samples the training pool repeats (reaching and grasping: SUBTASKS[0], SUBTASKS[1]).
 APPROACH_SUBTASKS = (0, 1)
 # The action prompt with the latest subtask (π0.5's low-level inference on the high-level output), used
@@ -102,6 +101,19 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 500
     progress: bool = True
+
+    def check(self) -> None:
+        """Raise ValueError naming the first setting out of its range (what does not depend on the data)."""
+        if not 0.0 <= self.locate <= 1.0:
+            raise ValueError(f"locate must be in [0, 1], got {self.locate}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        for name in ("steps", "batch_size", "approach_repeat", "log_every", "image_stride"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("val_episodes", "eval_samples", "warmup", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 def init_training_weights(model: VLAModel, seed: int) -> VLAModel:
@@ -425,18 +437,15 @@ def train(config: TrainConfig) -> dict:
     """
     from tqdm import tqdm
 
+    config.check()
     torch.manual_seed(config.seed)
     files = episode_files(config.data)
-    if config.val_episodes < 0 or len(files) <= config.val_episodes:
+    if len(files) <= config.val_episodes:
         raise ValueError(f"{len(files)} episodes cannot hold {config.val_episodes} validation episodes and training")
     model_config = get_preset(config.preset)
     samples = load_samples(files, model_config.image_size, model_config.action_horizon, every=config.image_stride)
     stats = compute_norm_stats(samples)
     processor = build_processor(model_config, stats)
-    if not 0.0 <= config.locate <= 1.0:
-        raise ValueError(f"locate must be in [0, 1], got {config.locate}")
-    if config.steps < 1 or config.batch_size < 1:
-        raise ValueError(f"steps and batch_size must be >= 1, got {config.steps} and {config.batch_size}")
     batches = Batches(samples, processor, config.seed, config.subtask_in_action_prompt, config.locate)
     val_files = set(range(len(files) - config.val_episodes, len(files)))
     is_val = np.isin(samples.episode, list(val_files))
@@ -546,26 +555,19 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--save-every", type=int, default=d.save_every,
                         help=f"steps between part-way checkpoints, 0 = only at the end (default {d.save_every})")
     args = parser.parse_args(argv)
-    if not 0.0 <= args.locate <= 1.0:
-        parser.error(f"--locate must be in [0, 1], got {args.locate}")
-    if args.approach_repeat < 1:
-        parser.error(f"--approach-repeat must be >= 1, got {args.approach_repeat}")
-    for name in ("steps", "batch_size", "log_every", "image_stride"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("val_episodes", "eval_samples", "warmup", "save_every"):
-        if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if not args.lr > 0:
-        parser.error(f"--lr must be > 0, got {args.lr}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return TrainConfig(data=args.data, out=args.out, preset=args.preset, steps=args.steps,
-                       batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, text_weight=args.text_weight,
-                       subtask_in_action_prompt=args.subtask_in_action_prompt, locate=args.locate,
-                       approach_repeat=args.approach_repeat, image_stride=args.image_stride,
-                       val_episodes=args.val_episodes, eval_samples=args.eval_samples, seed=args.seed,
-                       device=device, log_every=args.log_every,
-                       save_every=args.save_every)
+    config = TrainConfig(data=args.data, out=args.out, preset=args.preset, steps=args.steps,
+                         batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, text_weight=args.text_weight,
+                         subtask_in_action_prompt=args.subtask_in_action_prompt, locate=args.locate,
+                         approach_repeat=args.approach_repeat, image_stride=args.image_stride,
+                         val_episodes=args.val_episodes, eval_samples=args.eval_samples, seed=args.seed,
+                         device=device, log_every=args.log_every,
+                         save_every=args.save_every)
+    try:
+        config.check()
+    except ValueError as error:
+        parser.error(str(error))          # names the setting: its option is --<name> with - for _
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:
