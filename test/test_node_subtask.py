@@ -61,3 +61,20 @@ def test_speech_text_only_when_it_changes(harness):
     want += ["grasp the cube", "grasp the cube"]
     assert wait_for(lambda: harness.count("speech_text") >= start + len(want), 10.0)
     assert [m.data for m in harness.received["speech_text"][start:]] == want
+
+
+def test_speech_text_is_latched_for_late_subscribers(harness):
+    """Said once per subtask, the text must still reach a recorder that subscribes afterwards."""
+    from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+    from std_msgs.msg import String
+
+    assert wait_for(lambda: harness.count("speech_text") > 0, 10.0)
+    last = harness.received["speech_text"][-1].data
+    late: list[str] = []
+    qos = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+    sub = harness.robot.create_subscription(String, "oxygen_node/speech_text", lambda m: late.append(m.data), qos)
+    try:
+        # The history replayed on matching ends with the last text sent (a newer one may follow it live).
+        assert wait_for(lambda: last in late, 20.0), late
+    finally:
+        harness.robot.destroy_subscription(sub)

@@ -35,7 +35,8 @@ Topics (relative names resolve in the node's namespace; ``~`` is the node's priv
     out  ~/speech                  oxygen_ros/Speech partials and finals, reliable, depth 100
     out  ~/speech_text             std_msgs/String: the final text of completed utterances that have something
                                    to say (the others are withheld and counted; with speech.publish_on_change
-                                   only a text that differs from the last one sent), reliable, depth 10
+                                   only a text that differs from the last one sent), reliable + transient
+                                   local, depth 10 (a late transient-local subscriber gets the last texts)
     out  ~/memory                  oxygen_ros/MemoryEntry, reliable, depth 10
     out  ~/status                  oxygen_ros/EngineStatus, reliable, depth 10, at status_rate_hz
     out  /diagnostics              diagnostic_msgs/DiagnosticArray, reliable, depth 10, at status_rate_hz
@@ -585,7 +586,11 @@ class OxygenNode(LifecycleNode):
         self._trajectory_pub = publisher(JointTrajectory, "~/joint_trajectory", 1) \
             if settings.publish_trajectory else None
         self._speech_pub = publisher(Speech, "~/speech", 100)
-        self._speech_text_pub = publisher(String, "~/speech_text", reliable)
+        # Latched: a subscriber that joins late and asks for transient local (a recorder, a TTS node
+        # started after the robot) still gets the last texts - with publish_on_change, the current subtask,
+        # which may be said once for a whole task phase. Volatile subscribers are served as before.
+        self._speech_text_pub = publisher(String, "~/speech_text", QoSProfile(
+            depth=10, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL))
         self._memory_pub = publisher(MemoryEntry, "~/memory", reliable)
         self._status_pub = publisher(EngineStatus, "~/status", reliable)
         self._diagnostics_pub = publisher(DiagnosticArray, "/diagnostics", reliable, lifecycle=False)
