@@ -79,6 +79,8 @@ def test_summary_shows_the_task_outcome_the_subtasks_spoken_and_captions(tmp_pat
     print(text)
     assert "task               reached ✓ grasped ✓ lifted ✗ transferred ✗" in text
     assert "“grasp the cube”" in text and "“the right gripper holds the cube”" in text
+    # Three entries, two captions: the summary says the list is collapsed, so the counts do not look at odds.
+    assert "memory entries     3 " in text and "; 2 captions (in order, repeats collapsed):" in text
 
 
 def test_summary_without_an_outcome_says_so(tmp_path):

@@ -270,9 +270,11 @@ def format_summary(summary: dict) -> str:
             lines.append(f"                     ... {len(spoken) - 8} more")
     else:
         lines += [f"                     “{text}”" for text in summary["speech_texts"][:5]]
+    captions = summary.get("memory_captions")
     lines.append(f"memory entries     {summary['memory_entries']} "
-                 f"({num(summary['memory_entries_per_10s'], '.1f')} per 10 s)")
-    captions = summary.get("memory_captions") or summary["memory_texts"]
+                 f"({num(summary['memory_entries_per_10s'], '.1f')} per 10 s)"
+                 + (f"; {len(captions)} captions (in order, repeats collapsed):" if captions else ""))
+    captions = captions or summary["memory_texts"]
     lines += [f"                     “{text}”" for text in captions[:5]]
     if len(captions) > 5:
         lines.append(f"                     ... {len(captions) - 5} more")
