@@ -88,3 +88,12 @@ def test_summary_without_an_outcome_says_so(tmp_path):
 
     text = format_summary(summarize(RunData()))
     assert "task               n/a (no /task_outcome in the bag)" in text
+
+
+def test_speech_status_names_follow_the_message_definition():
+    """The report reads bags without the generated classes, so its status numbers must match Speech.msg."""
+    from oxygen_ros.msg import Speech
+    from oxygen_ros.tools.report import SPEECH_STATUS_NAMES
+
+    assert SPEECH_STATUS_NAMES == {Speech.STATUS_IN_PROGRESS: "in progress", Speech.STATUS_COMPLETED: "completed",
+                                   Speech.STATUS_CANCELLED: "cancelled", Speech.STATUS_DROPPED: "dropped"}

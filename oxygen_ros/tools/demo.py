@@ -167,7 +167,9 @@ class DemoFollower(Node):
         if msg.final:
             self.final_utterances += 1
             self.completed_utterances += msg.status == Speech.STATUS_COMPLETED
-            status = {Speech.STATUS_COMPLETED: "completed"}.get(msg.status, f"status {msg.status}")
+            from oxygen_ros.tools.report import SPEECH_STATUS_NAMES   # imported by main() already
+
+            status = SPEECH_STATUS_NAMES.get(msg.status, f"status {msg.status}")
             self.get_logger().info(f"speech ({status}) {msg.text!r}")
 
     def _on_memory(self, msg: MemoryEntry) -> None:

@@ -36,7 +36,9 @@ from rosbags.highlevel import AnyReader  # noqa: E402
 
 from oxygen_ros.tools.bag_recorder import project_typestore  # noqa: E402
 
-_STATUS_NAMES = {0: "in progress", 1: "completed", 2: "cancelled", 3: "dropped"}
+# oxygen_ros/Speech status codes (msg/Speech.msg STATUS_*) by name; this module reads bags without rclpy
+# or the generated message classes, hence the numbers.
+SPEECH_STATUS_NAMES = {0: "in progress", 1: "completed", 2: "cancelled", 3: "dropped"}
 _PHASES = (("encode_s", "encode"), ("prefill_s", "prefill"), ("denoise_s", "denoise"), ("decode_s", "decode"))
 
 
@@ -213,7 +215,7 @@ def summarize(data: RunData) -> dict:
         "speech_utterances_final": len(finals),
         "speech_utterances_completed": len(completed),
         "speech_completed_per_10s": per_10s(len(completed)),
-        "speech_by_status": {name: sum(s["status"] == code for s in finals) for code, name in _STATUS_NAMES.items()
+        "speech_by_status": {name: sum(s["status"] == code for s in finals) for code, name in SPEECH_STATUS_NAMES.items()
                              if code},
         "speech_texts": [s["text"] for s in completed],
         "memory_entries": len(data.memory),
