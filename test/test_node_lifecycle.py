@@ -196,6 +196,10 @@ def test_executable_ends_cleanly_on_signal(signum, tmp_path):
         elapsed = time.monotonic() - start
         print(f"{signal.Signals(signum).name}: exited in {elapsed:.2f} s with code {process.returncode}")
         assert process.returncode == 0
+        # Before its first observation the node waits for inputs: logged at INFO, never as a warning.
+        log = "".join(output) + process.stdout.read()
+        assert "[INFO]" in log and "waiting for the first observation: no frame from required camera" in log, log
+        assert not [line for line in log.splitlines() if "[WARN]" in line and "skipped cycle" in line], log
     finally:
         if process.poll() is None:
             process.kill()

@@ -70,8 +70,9 @@ class DropCounter:
         self._last_warning: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def drop(self, reason: str, detail: str) -> None:
-        """Count one dropped input with ``reason`` (a short key) and ``detail`` (for the log)."""
+    def drop(self, reason: str, detail: str, log: Callable[[str], object] | None = None) -> None:
+        """Count one dropped input with ``reason`` (a short key) and ``detail`` (for the log); ``log``, when
+        given, logs this one instead of ``warn`` (e.g. at INFO for an expected wait), under the same throttle."""
         now = time.monotonic()
         with self._lock:
             self._counts[reason] = self._counts.get(reason, 0) + 1
@@ -80,7 +81,12 @@ class DropCounter:
                 return
             count, self._since_warning[reason] = self._since_warning[reason], 0
             self._last_warning[reason] = now
-        self._warn(f"{self._what} ({reason}, {count} since the last warning): {detail}")
+        message = f"{self._what} ({reason}, {count} since the last warning): {detail}"
+        # Separate call sites: rclpy's logger refuses one call site logging at two severities.
+        if log is None:
+            self._warn(message)
+        else:
+            log(message)
 
     def counts(self) -> dict[str, int]:
         """Drops per reason since the last :meth:`reset`."""

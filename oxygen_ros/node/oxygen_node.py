@@ -100,6 +100,8 @@ _INSTRUCTION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10, reliabi
 _LATCHED_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.RELIABLE,
                           durability=DurabilityPolicy.TRANSIENT_LOCAL)
 _GRAPH_POLL_S = 1.0   # how often the graph is checked for a latched instruction on offer [s]
+# Skip reasons that are the expected wait before the first observation since configure (logged at INFO then).
+_STARTUP_SKIPS = ("clock_not_started", "no_joint_limits", "no_observation")
 # Lifecycle state queries and the parameter services: with the executable's executor (transitions on a worker
 # thread, oxygen_ros/node/executor.py) or a multi-threaded one they answer while a transition runs (configure
 # loads the model). Transitions, timers and subscriptions stay in the default group,
@@ -834,6 +836,11 @@ class OxygenNode(LifecycleNode):
 
     def _skip(self, reason: str, detail: str) -> None:
         self._status.record_skip(detail)
+        if self._seq == 0 and reason in _STARTUP_SKIPS:
+            # Before the first observation since configure, waiting for inputs (or the clock) is the expected
+            # state, not a fault: logged at INFO (still counted, and on /diagnostics).
+            self._skips.drop(reason, f"waiting for the first observation: {detail}", self.get_logger().info)
+            return
         self._skips.drop(reason, f"no action chunk this cycle: {detail}")
         self._publish_language(self._engine.take_events()[0])    # requests cancelled meanwhile still end
 
