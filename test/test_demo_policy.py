@@ -70,7 +70,9 @@ def test_shipped_policy_is_installed_with_the_package(shipped):
 
 
 def test_shipped_checkpoint_matches_its_recorded_conventions(evaluate, shipped):
+    from oxygen_ros.assets import policy_cameras
     from oxygen_ros.models import get_preset
+    from oxygen_ros.models.checkpoint import checkpoint_overrides
     from oxygen_ros.models.conventions import find_norm_stats
     from oxygen_ros.node.parameters import read_settings
     from oxygen_ros.tools import demo, sim_robot
@@ -79,15 +81,16 @@ def test_shipped_checkpoint_matches_its_recorded_conventions(evaluate, shipped):
     directory, info = shipped
     # What the policy records it was trained with: this repository's robot, cameras and prompts.
     assert info["joint_names"] == list(sim_robot.JOINTS)
-    assert info["cameras"] == demo.CAMERA_SLOTS == evaluate.CAMERA_SLOTS
+    assert policy_cameras(info) == info["cameras"]       # pairs of the demo robot's cameras and their slots
     assert info["action_dt_s"] == 0.02
     assert (info["speech_prompt"], info["memory_prompt"], info["action_subtask_prompt"]) == \
         (train.SUBTASK_PROMPT, train.CAPTION_PROMPT, train.ACTION_SUBTASK_PROMPT)
     assert info["instruction"] == evaluate.INSTRUCTION and info["subtasks"] == list(evaluate.SUBTASKS)
     assert info["subtask_in_action_prompt"] > 0
-    # Its config is the preset's: horizon 50 (1 s at 50 Hz), 32 padded action dimensions.
+    # Its config is the preset's with the shapes it records apart (image size): horizon 50 (1 s at 50 Hz),
+    # 32 padded action dimensions.
     config = json.loads((directory / "oxygen_config.json").read_text())
-    preset = dataclasses.asdict(get_preset(info["preset"]))
+    preset = dataclasses.asdict(get_preset(info["preset"], **checkpoint_overrides(directory, info["preset"])))
     assert {k: v for k, v in config.items() if k in preset} == {k: preset[k] for k in config if k in preset}
     assert (config["action_horizon"], config["action_dim"]) == (50, 32)
 

@@ -182,3 +182,39 @@ def test_temporal_ensemble_parameter_averages_overlapping_chunks(ros_context):
             robot.destroy_node()
     with pytest.raises(ValueError, match="temporal_ensemble_max_chunks"):
         SimRobot(context=ros_context, parameter_overrides=[Parameter("temporal_ensemble_max_chunks", value=0)])
+
+
+def test_cameras_parameter_renders_and_publishes_only_the_cameras_named(ros_context):
+    """``cameras`` (default all three) selects the cameras rendered round robin and published: a
+    top-camera-only policy gets the whole render budget on its one camera; unknown or repeated names fail the
+    robot's start."""
+    pytest.importorskip("gym_aloha")
+    import time
+
+    from rclpy.parameter import Parameter
+
+    from oxygen_ros.tools.sim_robot import CAMERAS, SimRobot
+
+    robot = SimRobot(context=ros_context, parameter_overrides=[
+        Parameter("cameras", value=["top"]), Parameter("camera_rate_hz", value=20.0),
+        Parameter("width", value=64), Parameter("height", value=48)])
+    try:
+        assert robot.cameras == ("top",)
+        assert [name for name, _ in robot.get_publisher_names_and_types_by_node("aloha_sim", "/")
+                if name.startswith("/cameras/")] == ["/cameras/top/image_raw"]
+        deadline = time.monotonic() + 30.0
+        while robot.images_published["top"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert robot.images_published == {"top": robot.images_published["top"]}
+        assert robot.images_published["top"] >= 3
+    finally:
+        robot.destroy_node()
+    default = SimRobot(context=ros_context, parameter_overrides=[Parameter("width", value=64),
+                                                                   Parameter("height", value=48)])
+    try:
+        assert default.cameras == CAMERAS
+    finally:
+        default.destroy_node()
+    for cameras in (["front"], ["top", "top"]):
+        with pytest.raises(ValueError, match="cameras"):
+            SimRobot(context=ros_context, parameter_overrides=[Parameter("cameras", value=cameras)])

@@ -155,7 +155,7 @@ def test_sync_with_temporal_ensembling_runs_is_deterministic_and_averages_the_ch
 
         def __init__(self, policy):
             self.policy, self.chunks = policy, []
-            self.needs_images = policy.needs_images
+            self.cameras = policy.cameras
 
         def start(self, seed):
             self.policy.start(seed)

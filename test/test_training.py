@@ -131,6 +131,44 @@ def test_trainer_writes_a_checkpoint_the_loader_and_engine_serve(dataset, tmp_pa
         engine.close()
 
 
+def test_a_policy_trained_on_the_top_camera_at_another_image_size_is_served_by_the_node_path(dataset, tmp_path):
+    """--cameras top --image-size 56: the checkpoint records both (demo_policy.json's cameras, oxygen_config.json's
+    image_size), and the node's loading path (read_settings -> build_engine, as the evaluation builds it) serves
+    it from the preset's name alone, subscribing to the top camera only."""
+    from oxygen_ros.assets import policy_cameras
+    from oxygen_ros.models.checkpoint import checkpoint_overrides
+    from oxygen_ros.tools import evaluate
+    from oxygen_ros.tools.demo_data import read_episode
+    from oxygen_ros.training.data import episode_files
+    from oxygen_ros.training.train import train
+
+    train(_config(dataset, tmp_path / "top", steps=1, eval_samples=0, cameras=("top",), image_size=56))
+    checkpoint = tmp_path / "top" / "checkpoint"
+    policy = json.loads((checkpoint / "demo_policy.json").read_text())
+    assert policy_cameras(policy) == policy["cameras"] == {"top": "base_0_rgb"}
+    assert checkpoint_overrides(checkpoint, "pi05_demo") == {"image_size": 56}
+    with pytest.raises(ValueError, match="written for preset 'pi05_demo'"):
+        checkpoint_overrides(checkpoint, "pi05_tiny")
+
+    args = evaluate.parse_args(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "eval")])
+    params = evaluate.node_parameters("sync", args, str(checkpoint))
+    assert evaluate.node_cameras(params) == ("top",) and params["camera_slots"] == ["base_0_rgb"]
+    engine_policy = evaluate.EnginePolicy(params)
+    try:
+        assert engine_policy.cameras == ("top",)
+        ep = read_episode(episode_files(dataset)[0])
+        # (the weights load only into a 56 px model: its position embedding has (56 / 14)^2 rows)
+        step = engine_policy.act({"top": ep.images["top"][1]}, ep.qpos[ep.image_steps[1]].astype(np.float64), 1.0)
+        assert step.actions.shape == (50, 14) and np.isfinite(step.actions).all()
+    finally:
+        engine_policy.close()
+
+    # Bad camera lists are refused before any data is read.
+    for cameras in ((), ("top", "top"), ("front",)):
+        with pytest.raises(ValueError, match="cameras"):
+            _config(dataset, tmp_path / "bad", cameras=cameras).check()
+
+
 def test_location_targets_only_where_the_cube_lies_on_the_table_and_the_pool_repeats_the_approach(dataset):
     from oxygen_ros.models import get_preset
     from oxygen_ros.tools.demo_data import SUBTASKS, read_episode
@@ -208,3 +246,14 @@ def test_main_without_episodes_ends_with_a_message(tmp_path):
         with pytest.raises(SystemExit) as exit_info:
             train.parse_args(["--data", str(tmp_path)] + bad)
         assert exit_info.value.code == 2, bad          # argparse's usage error, no traceback
+
+
+def test_main_with_settings_that_do_not_fit_the_data_ends_with_a_message(dataset, tmp_path):
+    """Settings the episodes cannot serve end with a one-line message (DataMismatchError), not a traceback."""
+    from oxygen_ros.training import train
+    from oxygen_ros.training.data import DataMismatchError
+
+    with pytest.raises(SystemExit, match="train: 2 episodes cannot hold 2 validation episodes"):
+        train.main(["--data", str(dataset), "--out", str(tmp_path / "out"), "--steps", "1", "--val-episodes", "2"])
+    with pytest.raises(DataMismatchError, match="cannot hold"):
+        train.train(_config(dataset, tmp_path / "out", val_episodes=2))

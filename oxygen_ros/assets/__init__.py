@@ -15,6 +15,9 @@ import json
 from pathlib import Path
 
 DEMO_POLICY = "demo_policy"
+# The demo robot's cameras (tools/sim_robot.py) -> the model's camera slots (openpi's ALOHA image keys): what a
+# policy sees that was trained on all three cameras, and what a demo_policy.json without "cameras" means.
+DEMO_CAMERA_SLOTS = {"top": "base_0_rgb", "left_wrist": "left_wrist_0_rgb", "right_wrist": "right_wrist_0_rgb"}
 
 
 def demo_policy_dir() -> Path:
@@ -32,3 +35,28 @@ def demo_policy_dir() -> Path:
 def demo_policy_info() -> dict:
     """The shipped policy's ``demo_policy.json`` (preset, prompts, instruction, joint names, cameras ...)."""
     return json.loads((demo_policy_dir() / "demo_policy.json").read_text())
+
+
+def read_policy_file(checkpoint: str | Path) -> dict:
+    """``demo_policy.json`` of the checkpoint directory ``checkpoint`` (prompts, instruction, cameras ...),
+    or ``{}`` when ``checkpoint`` is empty or has none (e.g. a checkpoint not trained by the demo's trainer)."""
+    path = Path(checkpoint) / "demo_policy.json" if checkpoint else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else {}
+
+
+def policy_cameras(policy: dict) -> dict[str, str]:
+    """The demo robot's cameras a policy sees -> their model slots, in slot order: its ``demo_policy.json``'s
+    ``"cameras"`` (e.g. ``{"top": "base_0_rgb"}`` for a top-camera-only policy), else all three
+    (:data:`DEMO_CAMERA_SLOTS`).
+
+    Raises:
+        ValueError: an empty map, or a camera / slot that is not one of :data:`DEMO_CAMERA_SLOTS`'s pairs.
+    """
+    cameras = policy.get("cameras", DEMO_CAMERA_SLOTS)
+    if not isinstance(cameras, dict) or not cameras:
+        raise ValueError(f"demo_policy.json 'cameras' must map camera names to slots, got {cameras!r}")
+    wrong = {c: s for c, s in cameras.items() if DEMO_CAMERA_SLOTS.get(c) != s}
+    if wrong:
+        raise ValueError(f"demo_policy.json 'cameras': {wrong} are not pairs of the demo robot's cameras and "
+                         f"their slots {DEMO_CAMERA_SLOTS}")
+    return dict(cameras)

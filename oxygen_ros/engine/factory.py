@@ -43,6 +43,7 @@ def load_parts(preset: str, robot: RobotConfig, *, checkpoint: str | Path | None
                tokenizer: TextTokenizer | str | Path | None = None,
                norm_stats: dict[str, NormStats] | None = None, conventions: Conventions | None = None,
                action_horizon: int | None = None, max_token_len: int | None = None,
+               model_overrides: dict | None = None,
                dtype: str = "float32", device: str = "cpu", seed: int = 0) -> ModelParts:
     """Load the model of ``preset`` and its processing.
 
@@ -55,6 +56,8 @@ def load_parts(preset: str, robot: RobotConfig, *, checkpoint: str | Path | None
         norm_stats: ``{"state": ..., "actions": ...}``; None = data already normalised.
         conventions: the checkpoint family's conventions (None: the preset variant's defaults).
         action_horizon, max_token_len: overrides of the preset's (None: the conventions' or preset's).
+        model_overrides: other fields of the preset to override (e.g. a checkpoint's recorded ``image_size``,
+            :func:`oxygen_ros.models.checkpoint.checkpoint_overrides`); None: none.
         dtype: ``float32`` or ``bfloat16``; device: torch device.
 
     Raises:
@@ -63,21 +66,22 @@ def load_parts(preset: str, robot: RobotConfig, *, checkpoint: str | Path | None
     """
     processor = load_processor(preset, robot, tokenizer=tokenizer, norm_stats=norm_stats,
                                conventions=conventions, action_horizon=action_horizon,
-                               max_token_len=max_token_len)
+                               max_token_len=max_token_len, model_overrides=model_overrides)
     model = load_model(processor.processor.config, checkpoint, dtype=dtype, device=device, seed=seed)
     return ModelParts(model, processor, robot)
 
 
 def load_processor(preset: str, robot: RobotConfig, *, tokenizer: TextTokenizer | str | Path | None = None,
                    norm_stats: dict[str, NormStats] | None = None, conventions: Conventions | None = None,
-                   action_horizon: int | None = None, max_token_len: int | None = None) -> ProcessorIO:
+                   action_horizon: int | None = None, max_token_len: int | None = None,
+                   model_overrides: dict | None = None) -> ProcessorIO:
     """The engine processor of ``preset`` for ``robot`` without loading weights (arguments as
     :func:`load_parts`): a fleet's robots each bring their own processing to one shared model.
 
     Raises:
         ValueError, FileNotFoundError: unknown preset, missing tokenizer, inconsistent dimensions.
     """
-    overrides = {}
+    overrides = dict(model_overrides or {})
     if action_horizon is not None:
         overrides["action_horizon"] = action_horizon
     if max_token_len is not None:

@@ -193,6 +193,43 @@ def save_checkpoint(model: VLAModel, checkpoint_dir: str | Path, layout: str = "
     return path
 
 
+# Fields of ``oxygen_config.json`` that never override the preset: the name (checked instead), the dtype and the
+# seed (the caller's choice), the horizon and the prompt budget (set by the checkpoint family's conventions).
+_NOT_FROM_CHECKPOINT = ("name", "dtype", "seed", "action_horizon", "max_token_len")
+
+
+def checkpoint_overrides(checkpoint_dir: str | Path, preset: str) -> dict:
+    """The model settings a checkpoint written by :func:`save_checkpoint` records differently from ``preset``.
+
+    ``oxygen_config.json`` holds the whole :class:`VLAConfig` a model was saved with; a model trained from a
+    preset with changed shapes (e.g. the demo policy at another ``image_size``) loads only with them. The
+    result is ``{field: value}`` for every field that differs from the preset's, except ``name``, ``dtype``,
+    ``seed``, ``action_horizon`` and ``max_token_len``; ``{}`` when the directory has no ``oxygen_config.json``
+    (openpi and LeRobot checkpoints: their shapes are the preset's).
+
+    Raises:
+        ValueError: ``oxygen_config.json`` is not a JSON object, was written for another preset (its ``name``),
+            or holds a field :class:`VLAConfig` does not have.
+    """
+    path = Path(checkpoint_dir) / "oxygen_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: not readable JSON ({err})") from None
+    base = get_preset(preset)
+    if not isinstance(recorded, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(recorded).__name__}")
+    if recorded.get("name", base.name) != base.name:
+        raise ValueError(f"checkpoint {checkpoint_dir} was written for preset {recorded['name']!r}, not {preset!r} "
+                         f"(its {path.name})")
+    unknown = sorted(set(recorded) - set(base.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"{path}: fields {unknown} are not model settings")
+    return {k: v for k, v in recorded.items() if k not in _NOT_FROM_CHECKPOINT and getattr(base, k) != v}
+
+
 def load_model(preset: str | VLAConfig, checkpoint_dir: str | Path | None = None,
                dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
                seed: int | None = None) -> VLAModel:

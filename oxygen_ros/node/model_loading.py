@@ -17,6 +17,7 @@ import numpy as np
 
 from oxygen_ros.engine import Engine, factory
 from oxygen_ros.models import NormStats, RobotConfig, load_norm_stats
+from oxygen_ros.models.checkpoint import checkpoint_overrides
 from oxygen_ros.models.conventions import find_norm_stats
 from oxygen_ros.node.parameters import NodeSettings
 
@@ -85,14 +86,21 @@ def robot_config(settings: NodeSettings) -> RobotConfig:
 
 def processing_arguments(settings: NodeSettings) -> dict:
     """The keyword arguments of :func:`oxygen_ros.engine.factory.load_processor` of ``settings``: the
-    tokenizer, the normalisation statistics and the checkpoint family's conventions (horizon, prompt budget).
+    tokenizer, the normalisation statistics, the checkpoint family's conventions (horizon, prompt budget) and
+    the model settings the checkpoint records apart from the preset's
+    (:func:`oxygen_ros.models.checkpoint.checkpoint_overrides`, e.g. a demo policy's ``image_size``).
 
     Raises:
-        ValueError, FileNotFoundError: as :func:`load_statistics`.
+        ValueError, FileNotFoundError: as :func:`load_statistics`; ValueError also for a checkpoint written for
+            another preset.
     """
     conv = settings.conventions
-    return dict(tokenizer=settings.tokenizer_path or None, norm_stats=load_statistics(settings),
-                conventions=conv, action_horizon=conv.action_horizon, max_token_len=conv.max_token_len)
+    # load_statistics first: it names a missing checkpoint directory
+    stats = load_statistics(settings)
+    overrides = checkpoint_overrides(settings.checkpoint, settings.preset) if settings.checkpoint else None
+    return dict(tokenizer=settings.tokenizer_path or None, norm_stats=stats,
+                conventions=conv, action_horizon=conv.action_horizon, max_token_len=conv.max_token_len,
+                model_overrides=overrides)
 
 
 def model_key(settings: NodeSettings) -> tuple:

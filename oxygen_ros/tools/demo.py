@@ -2,9 +2,10 @@
 
 What runs:
     * a simulated ALOHA robot (:mod:`oxygen_ros.tools.sim_robot`) in a child process of its own (so its
-      MuJoCo rendering never competes with inference for Python's GIL): cameras top, left_wrist,
-      right_wrist rendered at ``--camera-rate`` each, 14 joint states at 50 Hz; it executes the action
-      chunks;
+      MuJoCo rendering never competes with inference for Python's GIL): the cameras the policy sees
+      (its ``demo_policy.json``'s ``cameras``; top, left_wrist and right_wrist without one) rendered round
+      robin at ``--camera-rate`` each (default 3 images/s in all), 14 joint states at 50 Hz; it executes
+      the action chunks;
     * the oxygen node (``OxygenNode``) with the shipped demo policy (``pi05_demo`` trained in this
       simulator, :func:`oxygen_ros.assets.demo_policy_dir`; docs/demo-policy.md) on the CPU: the action
       task, a speech task that says the current subtask (an utterance every ``--speech-every`` s, published
@@ -54,26 +55,18 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy  # noqa: E
 from rclpy.signals import SignalHandlerOptions  # noqa: E402
 from std_msgs.msg import String  # noqa: E402
 
-from oxygen_ros.assets import demo_policy_dir  # noqa: E402
+from oxygen_ros.assets import demo_policy_dir, policy_cameras, read_policy_file  # noqa: E402
 from oxygen_ros.models.processing import ACTION_PROMPT  # noqa: E402
 from oxygen_ros.msg import ActionChunk, MemoryEntry, Speech  # noqa: E402
 from oxygen_ros.node.parameters import parse_override  # noqa: E402
-from oxygen_ros.tools import sim_robot  # noqa: E402
+from oxygen_ros.tools import demo_data, sim_robot  # noqa: E402
 from oxygen_ros.tools.bag_recorder import BagRecorder, default_run_dir  # noqa: E402
 from oxygen_ros.tools.child_process import start_child, stop_child  # noqa: E402
 
 NODE_NAME = "oxygen_node"
-# The simulated robot's cameras -> the model's camera slots (openpi's ALOHA image keys).
-CAMERA_SLOTS = dict(zip(sim_robot.CAMERAS, ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")))
 DEFAULT_SEED = 1000           # the cube's start pose: the first evaluation seed (the training data used 0..99)
 RANDOM_WEIGHTS = {"preset": "pi05_tiny", "checkpoint": "", "instruction": "pick up the red cube",
                   "language_prompt": "shared", "control_rate": 3.0, "speech_every": 3.0}
-
-
-def policy_file(checkpoint: str) -> dict:
-    """``demo_policy.json`` of a checkpoint directory (prompts, instruction), or {} when absent."""
-    path = Path(checkpoint) / "demo_policy.json" if checkpoint else None
-    return json.loads(path.read_text()) if path is not None and path.is_file() else {}
 
 
 def label_tokens(preset: str) -> int:
@@ -93,19 +86,20 @@ def node_parameters(args: argparse.Namespace) -> dict:
     when it was trained with the subtask in the action prompt — π0.5's subtask loop: ``subtask_task``
     speech, ``subtask_prompt_template`` its ``action_subtask_prompt``, ``speech.publish_on_change``.
     """
-    policy = policy_file(args.checkpoint)
+    policy = read_policy_file(args.checkpoint)
+    cameras = policy_cameras(policy)
     params = {
         "preset": args.preset, "checkpoint": args.checkpoint, "device": args.device,
         "dtype": args.dtype,
         "joint_names": list(sim_robot.JOINTS), "action_dim": len(sim_robot.JOINTS),
         "action_names": list(sim_robot.JOINTS),
         "action_dt_s": 0.02,   # ALOHA's 50 Hz control
-        "camera_topics": [f"/cameras/{camera}/image_raw" for camera in CAMERA_SLOTS],
-        "camera_slots": list(CAMERA_SLOTS.values()),
-        "camera_transports": ["raw"] * len(CAMERA_SLOTS),
-        "camera_reliability": ["best_effort"] * len(CAMERA_SLOTS),
-        # The top camera is required; a late wrist frame only masks its slot for that cycle.
-        "camera_required": [True] + [False] * (len(CAMERA_SLOTS) - 1),
+        "camera_topics": [f"/cameras/{camera}/image_raw" for camera in cameras],
+        "camera_slots": list(cameras.values()),
+        "camera_transports": ["raw"] * len(cameras),
+        "camera_reliability": ["best_effort"] * len(cameras),
+        # The first camera (top) is required; a late wrist frame only masks its slot for that cycle.
+        "camera_required": [True] + [False] * (len(cameras) - 1),
         "staleness_limit_s": args.staleness,
         "instruction_topic": "/instruction", "joint_states_topic": "/joint_states",
         "control_rate_hz": args.control_rate,
@@ -187,8 +181,9 @@ class DemoFollower(Node):
 def _start_robot(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
     """The simulated robot as a child process in its own session, ended with this process
     (:func:`oxygen_ros.tools.child_process.start_child`)."""
+    cameras = list(policy_cameras(read_policy_file(args.checkpoint)))
     command = [sys.executable, "-P", "-m", "oxygen_ros.tools.sim_robot", "--ros-args",
-               "-p", f"camera_rate_hz:={args.camera_rate}",
+               "-p", f"camera_rate_hz:={args.camera_rate}", "-p", f"cameras:={json.dumps(cameras)}",
                "-p", f"action_chunk_topic:=/{NODE_NAME}/action_chunk", "-p", f"seed:={args.seed}"]
     return start_child(command, log_path)
 
@@ -228,7 +223,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "'transfer the cube to the left arm'; with --random-weights 'pick up the red cube')")
     parser.add_argument("--control-rate", type=float, default=None,
                         help="action chunks per second [Hz] (default 4; 3 with --random-weights)")
-    parser.add_argument("--camera-rate", type=float, default=1.0, help="images per second per camera [Hz]")
+    parser.add_argument("--camera-rate", type=float, default=None,
+                        help="images per second per camera [Hz] (default: 3 / the number of cameras the policy "
+                             "sees: 1 for three cameras)")
     parser.add_argument("--staleness", type=float, default=1.5,
                         help="the node reuses camera frames up to this age [s]")
     parser.add_argument("--speech-every", type=float, default=None,
@@ -249,7 +246,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    policy = policy_file(args.checkpoint)
+    policy = read_policy_file(args.checkpoint)
+    try:
+        cameras = policy_cameras(policy)
+    except ValueError as err:
+        parser.error(f"--checkpoint {args.checkpoint}: {err}")
+    if args.camera_rate is None:
+        args.camera_rate = demo_data.RENDER_RATE_HZ / len(cameras)
+    elif not args.camera_rate > 0:
+        parser.error(f"--camera-rate must be > 0 Hz, got {args.camera_rate}")
     if args.language_prompt is None:
         args.language_prompt = "policy" if "speech_prompt" in policy else "shared"
     if args.instruction is None:

@@ -56,6 +56,9 @@ from gym_aloha.utils import sample_box_pose  # noqa: E402
 
 EE_SCENE = ASSETS_DIR / "bimanual_viperx_end_effector_transfer_cube.xml"
 CAMERAS = ("top", "left_wrist", "right_wrist")   # the demo's simulated robot's (sim_robot.CAMERAS)
+# Images per second the demo's real-time robot renders in all (each ~110 ms of CPU), shared round robin by the
+# cameras the policy sees: 1 Hz each for three cameras (the demo's and the real-time evaluation's default).
+RENDER_RATE_HZ = 3.0
 ARMS = ("left", "right")
 INSTRUCTION = "transfer the cube to the left arm"
 # Subtasks in the order the expert performs them (π0.5's high-level labels for this task).

@@ -73,7 +73,6 @@ from oxygen_ros.tools.demo_data import (DT, INSTRUCTION, JOINTS, PHASES, SUBTASK
 
 CONDITIONS = ("node-lockstep", "node-realtime", "sync", "random", "expert")
 CAMERAS = demo_data.CAMERAS
-CAMERA_SLOTS = dict(zip(CAMERAS, ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")))
 NODE_NAME = "oxygen_node"
 EPISODE_STEPS = 530                  # 10.6 s at 50 Hz, as the demonstrations
 SETTLE_S = demo_data._SETTLE_S       # the cube drops onto the table first (as in the data)
@@ -298,8 +297,6 @@ class EnginePolicy:
         ValueError, FileNotFoundError: bad parameters, checkpoint or statistics (as the node's configure).
     """
 
-    needs_images = True
-
     def __init__(self, params: dict):
         from oxygen_ros.node import model_loading
         from oxygen_ros.node.parameters import read_settings
@@ -309,6 +306,7 @@ class EnginePolicy:
         model_loading.warm_up(self.engine, self.settings)
         self.instruction = self.settings.default_instruction or INSTRUCTION
         self._slots = {c.topic.rsplit("/")[-2]: c.slot for c in self.settings.cameras}
+        self.cameras = tuple(self._slots)     # the robot's cameras rendered for each observation
         self._seq = 0
 
     def start(self, seed: int) -> None:
@@ -361,7 +359,7 @@ class ExpertPolicy:
     """demo_data's scripted expert: its joint trajectory for the episode's seed, chunk by chunk; its
     "speech" is the script's subtask label at the observation."""
 
-    needs_images = False
+    cameras: tuple[str, ...] = ()      # renders none (the contact sheet renders its own frames)
 
     def __init__(self, horizon: int = 50):
         self.horizon = horizon
@@ -407,7 +405,7 @@ def run_sync_episode(policy, seed: int, execute_steps: int, max_steps: int = EPI
     wall = time.perf_counter()
     try:
         while sim.step_index < max_steps:
-            images, position, t = sim.observe(CAMERAS if policy.needs_images else ())
+            images, position, t = sim.observe(policy.cameras)
             step = policy.act(images, position, t)
             latencies.append(step.latency_s)
             inference.append(step.inference_latency_s)
@@ -455,7 +453,8 @@ def _lockstep_worker(spec: dict) -> int:
     node = Node("aloha_lockstep_sim")
     reliable = QoSProfile(depth=2, reliability=ReliabilityPolicy.RELIABLE)
     clock_pub = node.create_publisher(Clock, "/clock", 10)
-    image_pubs = {c: node.create_publisher(Image, f"/cameras/{c}/image_raw", reliable) for c in CAMERAS}
+    cameras = tuple(spec["cameras"])
+    image_pubs = {c: node.create_publisher(Image, f"/cameras/{c}/image_raw", reliable) for c in cameras}
     joint_pub = node.create_publisher(JointState, "/joint_states", 10)
     chunks: list[tuple[float, float, np.ndarray, float]] = []   # (stamp, dt, actions, received wall)
     arrived = threading.Condition()
@@ -488,10 +487,10 @@ def _lockstep_worker(spec: dict) -> int:
         # The node must see this episode's clock and the robot on the graph before the first frame.
         deadline = time.monotonic() + spec["connect_timeout_s"]
         while (node.count_publishers(spec["chunk_topic"]) == 0
-               or any(image_pubs[c].get_subscription_count() == 0 for c in CAMERAS)) and time.monotonic() < deadline:
+               or any(image_pubs[c].get_subscription_count() == 0 for c in cameras)) and time.monotonic() < deadline:
             time.sleep(0.05)
         while sim.step_index < spec["max_steps"]:
-            images, position, t = sim.observe()
+            images, position, t = sim.observe(cameras)
             clock_pub.publish(Clock(clock=stamp(t)))
             msgs = {}
             for camera, pixels in images.items():
@@ -513,7 +512,7 @@ def _lockstep_worker(spec: dict) -> int:
                 clock_pub.publish(Clock(clock=stamp(t)))
                 time.sleep(0.02)
                 joint_pub.publish(joint)
-                for camera in CAMERAS:
+                for camera in cameras:
                     image_pubs[camera].publish(msgs[camera])
                 with arrived:
                     arrived.wait_for(lambda: any(c[0] >= t - 1e-6 for c in chunks),
@@ -563,6 +562,7 @@ def _realtime_worker(spec: dict) -> int:
     rclpy.init(args=[])
     robot = SimRobot(parameter_overrides=[
         Parameter("camera_rate_hz", value=float(spec["camera_rate_hz"])), Parameter("seed", value=spec["seed"]),
+        Parameter("cameras", value=list(spec["cameras"])),
         Parameter("action_chunk_topic", value=spec["chunk_topic"]),
         Parameter("temporal_ensemble_m", value=float(spec.get("ensemble_m", 0.0))),
         Parameter("temporal_ensemble_max_chunks", value=ENSEMBLE_MAX_CHUNKS)])
@@ -704,7 +704,8 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
         for index, seed in enumerate(seeds):
             out = out_dir / condition / f"episode_{seed}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
-            spec = {"seed": seed, "max_steps": args.max_steps, "out": str(out),
+            cameras = node_cameras(params)
+            spec = {"seed": seed, "max_steps": args.max_steps, "out": str(out), "cameras": list(cameras),
                     "chunk_topic": f"/{NODE_NAME}/action_chunk", "ensemble_m": args.ensemble}
             if condition == "node-lockstep":
                 offset = EPISODE_CLOCK_S * (index + 1)
@@ -712,7 +713,7 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
                             chunk_timeout_s=args.chunk_timeout, resend_s=args.resend, connect_timeout_s=30.0)
                 command = _worker_command("lockstep", spec)
             else:
-                spec.update(camera_rate_hz=args.camera_rate)
+                spec.update(camera_rate_hz=args.camera_rate or demo_data.RENDER_RATE_HZ / len(cameras))
                 command = _worker_command("realtime", spec)
             started = time.time()
             child = start_child(command, out_dir / condition / "robot.log", append=True,
@@ -795,10 +796,9 @@ def _spin(executor, stop: threading.Event) -> None:
 # node parameters
 
 
-def load_policy_file(checkpoint: str) -> dict:
-    """``demo_policy.json`` of a checkpoint directory (prompts, instruction), or {} when absent."""
-    path = Path(checkpoint) / "demo_policy.json" if checkpoint else None
-    return json.loads(path.read_text()) if path is not None and path.is_file() else {}
+def node_cameras(params: dict) -> tuple[str, ...]:
+    """The robot's cameras the node subscribes to with ``params`` (``/cameras/<camera>/image_raw``), in order."""
+    return tuple(topic.rstrip("/").rsplit("/")[-2] for topic in params["camera_topics"])
 
 
 def label_tokens(preset: str) -> int:
@@ -824,16 +824,19 @@ def node_parameters(condition: str, args, checkpoint: str) -> dict:
     (``engine.scheduling`` fixed_k with k = the longest label). Real time (``node-realtime``): the demo's
     settings (tools/demo.py), speech and memory prompts from the checkpoint.
     """
-    policy = load_policy_file(checkpoint)
+    from oxygen_ros.assets import policy_cameras, read_policy_file
+
+    policy = read_policy_file(checkpoint)
+    cameras = policy_cameras(policy)
     tokens = label_tokens(args.preset)
     params = {
         "preset": args.preset, "checkpoint": checkpoint, "device": args.device, "dtype": args.dtype,
         "conventions": "",
         "joint_names": list(JOINTS), "action_dim": len(JOINTS), "action_names": list(JOINTS),
         "action_dt_s": DT,
-        "camera_topics": [f"/cameras/{camera}/image_raw" for camera in CAMERA_SLOTS],
-        "camera_slots": list(CAMERA_SLOTS.values()),
-        "camera_transports": ["raw"] * len(CAMERA_SLOTS),
+        "camera_topics": [f"/cameras/{camera}/image_raw" for camera in cameras],
+        "camera_slots": list(cameras.values()),
+        "camera_transports": ["raw"] * len(cameras),
         "instruction_topic": "/instruction", "joint_states_topic": "/joint_states",
         "default_instruction": policy.get("instruction", INSTRUCTION),
         "speech.max_new_tokens": tokens, "memory.max_new_tokens": tokens,
@@ -843,8 +846,8 @@ def node_parameters(condition: str, args, checkpoint: str) -> dict:
         params["memory.prompt_template"] = policy["memory_prompt"]
     if condition == "node-realtime":
         params.update({
-            "camera_reliability": ["best_effort"] * len(CAMERA_SLOTS),
-            "camera_required": [True] + [False] * (len(CAMERA_SLOTS) - 1),
+            "camera_reliability": ["best_effort"] * len(cameras),
+            "camera_required": [True] + [False] * (len(cameras) - 1),
             "staleness_limit_s": args.staleness, "control_rate_hz": args.control_rate,
             "speech.trigger.every_s": args.speech_every, "memory.trigger.every_s": args.memory_every})
     else:
@@ -853,8 +856,8 @@ def node_parameters(condition: str, args, checkpoint: str) -> dict:
             # Reliable inputs: the lockstep robot publishes each frame's inputs once; a best-effort sample lost
             # in transport (the joint state, sent with 690 kB of images, was lost on a loaded machine) is
             # never replaced, and the frame could not be completed (the "stale joint state" stall).
-            "camera_reliability": ["reliable"] * len(CAMERA_SLOTS), "joint_states_reliability": "reliable",
-            "camera_required": [True] * len(CAMERA_SLOTS),
+            "camera_reliability": ["reliable"] * len(cameras), "joint_states_reliability": "reliable",
+            "camera_required": [True] * len(cameras),
             "staleness_limit_s": 0.01, "control_rate_hz": args.poll_rate,
             "speech.trigger.every_n_frames": args.language_every, "speech.trigger.every_s": 0.0,
             "memory.trigger.every_n_frames": args.language_every, "memory.trigger.every_s": 0.0,
@@ -1132,7 +1135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="wall seconds for the node to become active (default 300)")
     parser.add_argument("--control-rate", type=float, default=3.0, help="node-realtime: chunks per second (default 3; the demo runs 4)")
-    parser.add_argument("--camera-rate", type=float, default=1.0, help="node-realtime: images/s per camera (default 1, the demo's)")
+    parser.add_argument("--camera-rate", type=float, default=None,
+                        help="node-realtime: images/s per camera (default: the demo's, 3 / the number of cameras "
+                             "the policy sees)")
     parser.add_argument("--staleness", type=float, default=1.5, help="node-realtime: staleness limit [s] (default 1.5, the demo's)")
     parser.add_argument("--speech-every", type=float, default=1.0, help="node-realtime: an utterance every N s (default 1)")
     parser.add_argument("--memory-every", type=float, default=1.0, help="node-realtime: a memory entry every N s (default 1; the demo: 2)")
@@ -1154,6 +1159,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--episodes, --max-steps, --execute-steps and --language-every must be >= 1")
     if not math.isfinite(args.ensemble):
         parser.error("--ensemble must be finite")
+    if args.camera_rate is not None and not args.camera_rate > 0:
+        parser.error(f"--camera-rate must be > 0 Hz, got {args.camera_rate}")
     if args.checkpoint and not Path(args.checkpoint).is_dir():
         needs = [c for c in args.conditions if c != "expert"]
         if needs:

@@ -3,10 +3,11 @@
 The scene is the PyPI package gym-aloha's ``assets/bimanual_viperx_transfer_cube.xml`` (two ViperX 300s
 arms, a red cube on the table). The node behaves like the real robot's drivers:
 
-* publishes the cameras ``top``, ``left_wrist`` and ``right_wrist`` as ``sensor_msgs/Image`` (rgb8) on
-  ``cameras/<camera>/image_raw`` (sensor-data QoS), stamped with the node clock when the image was
-  rendered. Rendering costs ~70-160 ms per image on a laptop-class CPU whatever the resolution, so the
-  cameras are rendered round robin at a modest ``camera_rate_hz`` each, on a thread of their own;
+* publishes the cameras ``top``, ``left_wrist`` and ``right_wrist`` (or the subset ``cameras`` names) as
+  ``sensor_msgs/Image`` (rgb8) on ``cameras/<camera>/image_raw`` (sensor-data QoS), stamped with the node
+  clock when the image was rendered. Rendering costs ~70-160 ms per image on a laptop-class CPU whatever
+  the resolution, so the cameras are rendered round robin at a modest ``camera_rate_hz`` each, on a thread
+  of their own;
 * publishes the 14 joint states on ``joint_states`` at ``joint_state_rate_hz``, named and scaled as
   gym-aloha's ``JOINTS``: per arm 6 joint positions [rad] and the gripper's normalised opening
   (0 closed, 1 open), velocities in [rad/s] and [1/s];
@@ -251,6 +252,7 @@ class SimRobot(Node):
     """ROS 2 node around :class:`AlohaScene` (topics and parameters: see the module docstring).
 
     Parameters (read at start): ``camera_rate_hz`` (images per second per camera, default 1.0),
+    ``cameras`` (the cameras rendered and published, round robin in this order; default all of :data:`CAMERAS`),
     ``width`` / ``height`` [px] (default 320 x 240), ``joint_state_rate_hz`` (default 50.0),
     ``control_period_s`` (physics update period, default 0.02 s, gym-aloha's 50 Hz),
     ``action_chunk_topic`` (default ``oxygen_node/action_chunk``), ``seed`` (cube pose, default 0),
@@ -259,7 +261,8 @@ class SimRobot(Node):
     default 16) — :class:`~oxygen_ros.tools.chunk_execution.ChunkExecutor` with the ``floor`` index rule.
 
     Raises:
-        ValueError: ``temporal_ensemble_m`` not finite or ``temporal_ensemble_max_chunks`` < 1.
+        ValueError: ``temporal_ensemble_m`` not finite, ``temporal_ensemble_max_chunks`` < 1, or ``cameras``
+            empty, repeated or not among :data:`CAMERAS`.
 
     Args:
         node_name: the node's name.
@@ -272,6 +275,7 @@ class SimRobot(Node):
     def __init__(self, node_name: str = "aloha_sim", **kwargs):
         super().__init__(node_name, **kwargs)
         self.camera_rate_hz = self.declare_parameter("camera_rate_hz", 1.0).value
+        self.cameras = tuple(self.declare_parameter("cameras", list(CAMERAS)).value)
         width = self.declare_parameter("width", 320).value
         height = self.declare_parameter("height", 240).value
         self.joint_state_rate_hz = self.declare_parameter("joint_state_rate_hz", 50.0).value
@@ -286,6 +290,9 @@ class SimRobot(Node):
         except ValueError as err:
             Node.destroy_node(self)
             raise ValueError(f"temporal_ensemble_m / temporal_ensemble_max_chunks: {err}") from None
+        if not self.cameras or len(set(self.cameras)) != len(self.cameras) or not set(self.cameras) <= set(CAMERAS):
+            Node.destroy_node(self)
+            raise ValueError(f"cameras must be distinct names of {CAMERAS}, got {list(self.cameras)}")
 
         # MuJoCo's warnings (e.g. "Nan, Inf or huge value in QACC") into the ROS log: by default MuJoCo
         # appends them to MUJOCO_LOG.TXT in the current directory.
@@ -294,7 +301,7 @@ class SimRobot(Node):
         self.scene = AlohaScene(width=width, height=height, seed=seed)
         self._image_pubs = {camera: self.create_publisher(Image, f"cameras/{camera}/image_raw",
                                                           qos_profile_sensor_data)
-                            for camera in CAMERAS}
+                            for camera in self.cameras}
         self._joint_pub = self.create_publisher(JointState, "joint_states", 10)
         latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
@@ -306,7 +313,7 @@ class SimRobot(Node):
         self._chunk_lock = threading.Lock()     # guards self._executor (the chunks received)
         self.chunks_received = 0
         self.chunks_rejected = 0
-        self.images_published = {camera: 0 for camera in CAMERAS}
+        self.images_published = {camera: 0 for camera in self.cameras}
         self.actions_applied = 0
         self._stop = threading.Event()
         self._closed = False
@@ -318,7 +325,7 @@ class SimRobot(Node):
         for thread in self._threads:
             thread.start()
         self.get_logger().info(
-            f"ALOHA scene {SCENE.name}: cameras {', '.join(CAMERAS)} at {self.camera_rate_hz:g} Hz each "
+            f"ALOHA scene {SCENE.name}: cameras {', '.join(self.cameras)} at {self.camera_rate_hz:g} Hz each "
             f"({width}x{height}), 14 joint states at {self.joint_state_rate_hz:g} Hz, actions from {chunk_topic}"
             + (f", temporal ensembling m = {ensemble_m:g} over up to {ensemble_max_chunks} chunks"
                if self._executor.ensembling else ""))
@@ -389,11 +396,11 @@ class SimRobot(Node):
         self._joint_pub.publish(msg)
 
     def _camera_loop(self) -> None:
-        period = 1.0 / (self.camera_rate_hz * len(CAMERAS))
+        period = 1.0 / (self.camera_rate_hz * len(self.cameras))
         next_render = time.monotonic()
         index = 0
         while not self._stop.is_set():
-            camera = CAMERAS[index % len(CAMERAS)]
+            camera = self.cameras[index % len(self.cameras)]
             stamp = self.get_clock().now()
             pixels = self.scene.render(camera)
             msg = Image(height=pixels.shape[0], width=pixels.shape[1], encoding="rgb8",

@@ -1,6 +1,6 @@
 """Training samples from the demo's HDF5 episodes, processed exactly as the node processes its inputs.
 
-A sample is one rendered image step ``s`` of an episode: the three cameras at ``s`` (resized with
+A sample is one rendered image step ``s`` of an episode: the chosen cameras (default all three) at ``s`` (resized with
 padding to the preset's ``image_size`` by the family's filter, :func:`oxygen_ros.models.processing.resize_with_pad`),
 the joint state ``qpos[s]`` (normalised and discretised into the prompt by the engine's own
 :class:`oxygen_ros.engine.model_io.ProcessorIO`), the action chunk ``action[s : s + H]`` (the last
@@ -17,12 +17,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from oxygen_ros.assets import DEMO_CAMERA_SLOTS
 from oxygen_ros.models.config import NormStats
 from oxygen_ros.models.processing import resize_with_pad
 from oxygen_ros.tools.demo_data import CAMERAS, read_episode
 
-# The demo robot's cameras → the model's camera slots (openpi's ALOHA image keys), as in tools/demo.py.
-CAMERA_SLOTS = dict(zip(CAMERAS, ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")))
+# The demo robot's cameras → the model's camera slots (openpi's ALOHA image keys), as the demo and the evaluation use.
+CAMERA_SLOTS = DEMO_CAMERA_SLOTS
+
+
+class DataMismatchError(ValueError):
+    """The episodes do not fit the training's settings (e.g. a camera the model should see was not recorded, or
+    too few episodes for the held-out split): the data or the settings must change, not the code."""
+
+
 # Quantile ranges narrower than this are widened around their middle, so that a joint the expert
 # barely moves still normalises to finite values (check_norm_stats rejects q99 <= q01).
 MIN_RANGE = 1e-3
@@ -77,7 +85,7 @@ def episode_files(data_dir: str | Path) -> list[Path]:
 
 
 def load_samples(files: list[Path], image_size: int, horizon: int, resize: str = "pil_bilinear",
-                 every: int = 1) -> DemoSamples:
+                 every: int = 1, cameras: tuple[str, ...] = CAMERAS) -> DemoSamples:
     """Read ``files`` into :class:`DemoSamples` (every ``every``-th rendered image step of each).
 
     Args:
@@ -86,23 +94,28 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
         horizon: action chunk length H.
         resize: the family's filter (``pil_bilinear`` for the openpi π0.5 defaults).
         every: keep every this many image steps (1 = all).
+        cameras: the cameras the model sees, in slot order (a subset of :data:`CAMERAS`; default all three).
 
     Raises:
-        ValueError: an episode without the demo cameras or without images.
+        ValueError: an unknown camera.
+        DataMismatchError: an episode without one of ``cameras`` or without images.
     """
+    unknown = [c for c in cameras if c not in CAMERAS]
+    if unknown or not cameras:
+        raise ValueError(f"cameras must be a non-empty subset of {CAMERAS}, got {tuple(cameras)}")
     pixels, state, actions, subtask, caption, episode, cube = [], [], [], [], [], [], []
     all_states, all_actions = [], []
     for index, path in enumerate(files):
         ep = read_episode(path)
-        missing = [c for c in CAMERAS if c not in ep.images]
+        missing = [c for c in cameras if c not in ep.images]
         if missing or len(ep.image_steps) == 0:
-            raise ValueError(f"{path}: cameras {missing} missing or no image rendered")
+            raise DataMismatchError(f"{path}: cameras {missing} missing or no image rendered")
         all_states.append(ep.qpos.astype(np.float64))
         all_actions.append(ep.action.astype(np.float64))
         steps = ep.image_steps[::every]
         chosen = np.arange(0, len(ep.image_steps), every)
         resized = []
-        for camera in CAMERAS:
+        for camera in cameras:
             x = resize_with_pad(ep.images[camera][chosen], image_size, resize)    # [n, 3, S, S] in [-1, 1]
             resized.append(((x + 1.0) / 2.0 * 255.0).round().clamp(0, 255).to(torch.uint8)
                            .permute(0, 2, 3, 1).numpy())

@@ -62,8 +62,8 @@ from oxygen_ros.models.vla import VLAModel
 # ON_TABLE_CAPTION starts the captions of a cube lying untouched on the table: there it is still at its start
 # position, the location target's ground truth.
 from oxygen_ros.tools.demo_data import INSTRUCTION, JOINTS, ON_TABLE_CAPTION, SUBTASKS
-from oxygen_ros.training.data import (CAMERA_SLOTS, DemoSamples, compute_norm_stats, episode_files,
-                                      load_samples)
+from oxygen_ros.training.data import (CAMERA_SLOTS, DataMismatchError, DemoSamples, compute_norm_stats,
+                                      episode_files, load_samples)
 
 SUBTASK_PROMPT = "Task: {instruction}, State: {state};\nSubtask: "
 CAPTION_PROMPT = "Task: {instruction}, State: {state};\nScene: "
@@ -94,6 +94,8 @@ class TrainConfig:
     locate: float = 1.0 / 3.0
     approach_repeat: int = 2
     image_stride: int = 1
+    cameras: tuple[str, ...] = tuple(CAMERA_SLOTS)
+    image_size: int = 0
     val_episodes: int = 2
     eval_samples: int = 16
     seed: int = 0
@@ -111,7 +113,10 @@ class TrainConfig:
         for name in ("steps", "batch_size", "approach_repeat", "log_every", "image_stride"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("val_episodes", "eval_samples", "warmup", "save_every"):
+        unknown = [c for c in self.cameras if c not in CAMERA_SLOTS]
+        if unknown or not self.cameras or len(set(self.cameras)) != len(self.cameras):
+            raise ValueError(f"cameras must be distinct names of {tuple(CAMERA_SLOTS)}, got {tuple(self.cameras)}")
+        for name in ("val_episodes", "eval_samples", "warmup", "save_every", "image_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -320,12 +325,12 @@ def learning_rate(step: int, config: TrainConfig) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
-def build_processor(config: VLAConfig, norm_stats) -> Processor:
+def build_processor(config: VLAConfig, norm_stats, cameras: tuple[str, ...] = tuple(CAMERA_SLOTS)) -> Processor:
     """The processor the node will build for this checkpoint: the π0.5 defaults (openpi's base
     conventions: quantile normalisation, state in the prompt, PIL bilinear resize) with the preset's
-    horizon and prompt budget, the demo robot's 14 joints and three cameras."""
+    horizon and prompt budget, the demo robot's 14 joints and the slots of ``cameras`` (default all three)."""
     robot = RobotConfig("aloha_sim", state_dim=len(JOINTS), action_dim=len(JOINTS),
-                        camera_slots=tuple(CAMERA_SLOTS.values()))
+                        camera_slots=tuple(CAMERA_SLOTS[c] for c in cameras))
     conventions = variant_defaults(config.variant, config.action_horizon, config.max_token_len)
     return Processor(config, robot, load_tokenizer(config), norm_stats, conventions)
 
@@ -400,11 +405,13 @@ def plot_losses(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_checkpoint(model: VLAModel, processor: Processor, out: Path, extra: dict) -> Path:
+def write_checkpoint(model: VLAModel, processor: Processor, out: Path, extra: dict,
+                     cameras: tuple[str, ...] = tuple(CAMERA_SLOTS)) -> Path:
     """The checkpoint directory the loader reads: openpi layout ``model.safetensors`` +
     ``oxygen_config.json`` (:func:`save_checkpoint`), ``assets/aloha_sim/norm_stats.json`` (openpi's
     format, found by :func:`oxygen_ros.models.conventions.find_norm_stats`) and ``demo_policy.json``
-    (preset, conventions, camera slots, prompts for the node's speech and memory tasks, training facts)."""
+    (preset, conventions, the robot's cameras → their slots for ``cameras``, prompts for the node's speech and
+    memory tasks, training facts)."""
     directory = out / "checkpoint"
     save_checkpoint(model, directory, layout="openpi")
     asset = directory / "assets" / NORM_STATS_ASSET
@@ -418,7 +425,7 @@ def write_checkpoint(model: VLAModel, processor: Processor, out: Path, extra: di
         "tokenizer": f"{model.config.tokenizer} (built from the preset's vocab_size {model.config.vocab_size}; "
                      "oxygen_ros/models/tokenizer.py)",
         "joint_names": list(JOINTS), "action_dt_s": 0.02,
-        "cameras": {camera: slot for camera, slot in CAMERA_SLOTS.items()},
+        "cameras": {camera: CAMERA_SLOTS[camera] for camera in cameras},
         "instruction": INSTRUCTION,
         "action_prompt": conv.action_prompt.template,
         "speech_prompt": SUBTASK_PROMPT, "memory_prompt": CAPTION_PROMPT,
@@ -433,7 +440,9 @@ def train(config: TrainConfig) -> dict:
 
     Raises:
         FileNotFoundError: no episodes in ``config.data``.
-        ValueError: bad settings (e.g. fewer episodes than ``val_episodes`` + 1).
+        ValueError: bad settings (:meth:`TrainConfig.check`).
+        DataMismatchError: settings that do not fit the episodes (fewer than ``val_episodes`` + 1, a camera of
+            ``cameras`` not recorded).
     """
     from tqdm import tqdm
 
@@ -441,11 +450,15 @@ def train(config: TrainConfig) -> dict:
     torch.manual_seed(config.seed)
     files = episode_files(config.data)
     if len(files) <= config.val_episodes:
-        raise ValueError(f"{len(files)} episodes cannot hold {config.val_episodes} validation episodes and training")
+        raise DataMismatchError(f"{len(files)} episodes cannot hold {config.val_episodes} validation episodes and "
+                                "training")
     model_config = get_preset(config.preset)
-    samples = load_samples(files, model_config.image_size, model_config.action_horizon, every=config.image_stride)
+    if config.image_size:
+        model_config = model_config.replace(image_size=config.image_size)
+    samples = load_samples(files, model_config.image_size, model_config.action_horizon, every=config.image_stride,
+                           cameras=config.cameras)
     stats = compute_norm_stats(samples)
-    processor = build_processor(model_config, stats)
+    processor = build_processor(model_config, stats, config.cameras)
     batches = Batches(samples, processor, config.seed, config.subtask_in_action_prompt, config.locate)
     val_files = set(range(len(files) - config.val_episodes, len(files)))
     is_val = np.isin(samples.episode, list(val_files))
@@ -494,7 +507,7 @@ def train(config: TrainConfig) -> dict:
             # one below overwrites it.
             write_checkpoint(model, processor, config.out, {"training": {
                 "partial": True, "step": step + 1, "seconds": round(time.perf_counter() - start, 1),
-                "final": history[-1] if history else None}})
+                "final": history[-1] if history else None}}, config.cameras)
             model.train()
     seconds = time.perf_counter() - start
     model.eval()
@@ -515,7 +528,7 @@ def train(config: TrainConfig) -> dict:
         "subtask_in_action_prompt": config.subtask_in_action_prompt,
         "locate_prompt": LOCATE_PROMPT, "locate": config.locate, "approach_repeat": config.approach_repeat,
         "training": {k: summary[k] for k in ("episodes", "train_samples", "parameters", "seconds",
-                                             "seconds_per_step", "final", "evaluation")}})
+                                             "seconds_per_step", "final", "evaluation")}}, config.cameras)
     summary["checkpoint"] = str(directory)
     if history:
         plot_losses(history, config.out / "loss_curve.png")
@@ -545,6 +558,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                         help="times each reaching/grasping sample appears per pass (default 2; 1: uniform)")
     parser.add_argument("--image-stride", type=int, default=d.image_stride,
                         help="use every N-th rendered image step (default 1: all)")
+    parser.add_argument("--cameras", default=",".join(d.cameras),
+                        help="comma-separated cameras the model sees, in slot order "
+                             f"(default {','.join(d.cameras)})")
+    parser.add_argument("--image-size", type=int, default=d.image_size,
+                        help="image side [px] the model is built for, a multiple of the preset's patch size "
+                             "(default 0: the preset's)")
     parser.add_argument("--val-episodes", type=int, default=d.val_episodes,
                         help="last N episodes held out for evaluation (default 2)")
     parser.add_argument("--eval-samples", type=int, default=d.eval_samples,
@@ -560,6 +579,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                          batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, text_weight=args.text_weight,
                          subtask_in_action_prompt=args.subtask_in_action_prompt, locate=args.locate,
                          approach_repeat=args.approach_repeat, image_stride=args.image_stride,
+                         cameras=tuple(c.strip() for c in args.cameras.split(",") if c.strip()),
+                         image_size=args.image_size,
                          val_episodes=args.val_episodes, eval_samples=args.eval_samples, seed=args.seed,
                          device=device, log_every=args.log_every,
                          save_every=args.save_every)
@@ -578,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
                          "python -m oxygen_ros.tools.demo_data) or pass --data")
     try:
         summary = train(config)
-    except ValueError as error:             # settings that do not fit the data (e.g. --val-episodes)
+    except DataMismatchError as error:      # settings that do not fit the data (e.g. --val-episodes, --cameras)
         raise SystemExit(f"train: {error}") from None
     final = summary["final"] or {}
     print(f"{summary['seconds']:.0f} s ({summary['seconds_per_step']:.3f} s/step); final loss "
