@@ -104,6 +104,12 @@ class TrainConfig:
     save_every: int = 500
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        # The model sees its cameras in slot order (the node orders its slots so, whatever the order of its
+        # camera parameters): train them in that order too.
+        self.cameras = tuple(sorted(self.cameras, key=lambda c: list(CAMERA_SLOTS).index(c)
+                                    if c in CAMERA_SLOTS else len(CAMERA_SLOTS)))
+
     def check(self) -> None:
         """Raise ValueError naming the first setting out of its range (what does not depend on the data)."""
         if not 0.0 <= self.locate <= 1.0:
@@ -223,7 +229,7 @@ class Batches:
         return np.asarray(out)
 
     def pixels(self, idx: np.ndarray, device) -> torch.Tensor:
-        """float ``[B·C, 3, S, S]`` in [-1, 1] (cameras in :data:`CAMERA_SLOTS` order per sample)."""
+        """float ``[B·C, 3, S, S]`` in [-1, 1] (per sample the trained cameras, in slot order)."""
         x = torch.from_numpy(self.samples.pixels[idx]).to(device)        # [B, C, S, S, 3] uint8
         b, c, s = x.shape[:3]
         return (x.float() / 255.0 * 2.0 - 1.0).permute(0, 1, 4, 2, 3).reshape(b * c, 3, s, s)
@@ -559,7 +565,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--image-stride", type=int, default=d.image_stride,
                         help="use every N-th rendered image step (default 1: all)")
     parser.add_argument("--cameras", default=",".join(d.cameras),
-                        help="comma-separated cameras the model sees, in slot order "
+                        help="comma-separated cameras the model sees, any order: it sees them in slot order "
                              f"(default {','.join(d.cameras)})")
     parser.add_argument("--image-size", type=int, default=d.image_size,
                         help="image side [px] the model is built for, a multiple of the preset's patch size "
