@@ -169,6 +169,8 @@ def test_a_policy_trained_on_the_top_camera_at_another_image_size_is_served_by_t
     for cameras in ((), ("top", "top"), ("front",)):
         with pytest.raises(ValueError, match="cameras"):
             _config(dataset, tmp_path / "bad", cameras=cameras).check()
+    with pytest.raises(ValueError, match="multiple of pi05_demo's patch size 14, got 50"):
+        _config(dataset, tmp_path / "bad", image_size=50).check()
 
 
 def test_location_targets_only_where_the_cube_lies_on_the_table_and_the_pool_repeats_the_approach(dataset):

@@ -81,7 +81,7 @@ class DropCounter:
                 return
             count, self._since_warning[reason] = self._since_warning[reason], 0
             self._last_warning[reason] = now
-        message = f"{self._what} ({reason}, {count} since the last warning): {detail}"
+        message = f"{self._what} ({reason}, {count} since last logged): {detail}"
         # Separate call sites: rclpy's logger refuses one call site logging at two severities.
         if log is None:
             self._warn(message)

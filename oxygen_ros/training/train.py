@@ -122,6 +122,10 @@ class TrainConfig:
         unknown = [c for c in self.cameras if c not in CAMERA_SLOTS]
         if unknown or not self.cameras or len(set(self.cameras)) != len(self.cameras):
             raise ValueError(f"cameras must be distinct names of {tuple(CAMERA_SLOTS)}, got {tuple(self.cameras)}")
+        patch = get_preset(self.preset).patch_size       # (an unknown preset raises ValueError naming it)
+        if self.image_size % patch:
+            raise ValueError(f"image_size must be 0 (the preset's) or a multiple of {self.preset}'s patch size "
+                             f"{patch}, got {self.image_size}")
         for name in ("val_episodes", "eval_samples", "warmup", "save_every", "image_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
