@@ -146,13 +146,15 @@ def test_a_policy_trained_on_the_top_camera_at_another_image_size_is_served_by_t
     checkpoint = tmp_path / "top" / "checkpoint"
     policy = json.loads((checkpoint / "demo_policy.json").read_text())
     assert policy_cameras(policy) == policy["cameras"] == {"top": "base_0_rgb"}
+    assert list(policy_cameras({"cameras": {"right_wrist": "right_wrist_0_rgb", "top": "base_0_rgb"}})) == \
+        ["top", "right_wrist"]                     # slot order, whatever the file's
     assert checkpoint_overrides(checkpoint, "pi05_demo") == {"image_size": 56}
     with pytest.raises(ValueError, match="written for preset 'pi05_demo'"):
         checkpoint_overrides(checkpoint, "pi05_tiny")
 
     args = evaluate.parse_args(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "eval")])
     params = evaluate.node_parameters("sync", args, str(checkpoint))
-    assert evaluate.node_cameras(params) == ("top",) and params["camera_slots"] == ["base_0_rgb"]
+    assert params["camera_topics"] == ["/cameras/top/image_raw"] and params["camera_slots"] == ["base_0_rgb"]
     engine_policy = evaluate.EnginePolicy(params)
     try:
         assert engine_policy.cameras == ("top",)

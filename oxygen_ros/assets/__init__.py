@@ -37,6 +37,13 @@ def demo_policy_info() -> dict:
     return json.loads((demo_policy_dir() / "demo_policy.json").read_text())
 
 
+def in_slot_order(cameras) -> tuple[str, ...]:
+    """Demo robot camera names in the order of the model's slots they feed (:data:`DEMO_CAMERA_SLOTS`: top,
+    left_wrist, right_wrist), the order the node feeds its slots in; other names last, in their given order."""
+    order = list(DEMO_CAMERA_SLOTS)
+    return tuple(sorted(cameras, key=lambda c: order.index(c) if c in order else len(order)))
+
+
 def read_policy_file(checkpoint: str | Path) -> dict:
     """``demo_policy.json`` of the checkpoint directory ``checkpoint`` (prompts, instruction, cameras ...),
     or ``{}`` when ``checkpoint`` is empty or has none (e.g. a checkpoint not trained by the demo's trainer)."""
@@ -59,4 +66,4 @@ def policy_cameras(policy: dict) -> dict[str, str]:
     if wrong:
         raise ValueError(f"demo_policy.json 'cameras': {wrong} are not pairs of the demo robot's cameras and "
                          f"their slots {DEMO_CAMERA_SLOTS}")
-    return dict(cameras)
+    return {camera: cameras[camera] for camera in in_slot_order(cameras)}

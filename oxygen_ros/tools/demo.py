@@ -87,7 +87,7 @@ def node_parameters(args: argparse.Namespace) -> dict:
     speech, ``subtask_prompt_template`` its ``action_subtask_prompt``, ``speech.publish_on_change``.
     """
     policy = read_policy_file(args.checkpoint)
-    cameras = policy_cameras(policy)
+    cameras = args.cameras
     params = {
         "preset": args.preset, "checkpoint": args.checkpoint, "device": args.device,
         "dtype": args.dtype,
@@ -181,9 +181,8 @@ class DemoFollower(Node):
 def _start_robot(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
     """The simulated robot as a child process in its own session, ended with this process
     (:func:`oxygen_ros.tools.child_process.start_child`)."""
-    cameras = list(policy_cameras(read_policy_file(args.checkpoint)))
     command = [sys.executable, "-P", "-m", "oxygen_ros.tools.sim_robot", "--ros-args",
-               "-p", f"camera_rate_hz:={args.camera_rate}", "-p", f"cameras:={json.dumps(cameras)}",
+               "-p", f"camera_rate_hz:={args.camera_rate}", "-p", f"cameras:={json.dumps(list(args.cameras))}",
                "-p", f"action_chunk_topic:=/{NODE_NAME}/action_chunk", "-p", f"seed:={args.seed}"]
     return start_child(command, log_path)
 
@@ -248,11 +247,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, value)
     policy = read_policy_file(args.checkpoint)
     try:
-        cameras = policy_cameras(policy)
+        args.cameras = policy_cameras(policy)      # robot camera -> model slot, for the node and the robot
     except ValueError as err:
         parser.error(f"--checkpoint {args.checkpoint}: {err}")
     if args.camera_rate is None:
-        args.camera_rate = demo_data.RENDER_RATE_HZ / len(cameras)
+        args.camera_rate = demo_data.RENDER_RATE_HZ / len(args.cameras)
     elif not args.camera_rate > 0:
         parser.error(f"--camera-rate must be > 0 Hz, got {args.camera_rate}")
     if args.language_prompt is None:

@@ -305,7 +305,7 @@ class EnginePolicy:
         self.engine = model_loading.build_engine(self.settings)
         model_loading.warm_up(self.engine, self.settings)
         self.instruction = self.settings.default_instruction or INSTRUCTION
-        self._slots = {c.topic.rsplit("/")[-2]: c.slot for c in self.settings.cameras}
+        self._slots = {topic_camera(c.topic): c.slot for c in self.settings.cameras}
         self.cameras = tuple(self._slots)     # the robot's cameras rendered for each observation
         self._seq = 0
 
@@ -701,10 +701,10 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
             if oxygen.configure_error or oxygen.autostart_failed or time.monotonic() > deadline:
                 raise RuntimeError(f"the oxygen node did not become active: {oxygen.configure_error or oxygen.autostart_failed}")
             time.sleep(0.1)
+        cameras = tuple(topic_camera(topic) for topic in params["camera_topics"])   # what the node subscribes to
         for index, seed in enumerate(seeds):
             out = out_dir / condition / f"episode_{seed}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
-            cameras = node_cameras(params)
             spec = {"seed": seed, "max_steps": args.max_steps, "out": str(out), "cameras": list(cameras),
                     "chunk_topic": f"/{NODE_NAME}/action_chunk", "ensemble_m": args.ensemble}
             if condition == "node-lockstep":
@@ -796,9 +796,9 @@ def _spin(executor, stop: threading.Event) -> None:
 # node parameters
 
 
-def node_cameras(params: dict) -> tuple[str, ...]:
-    """The robot's cameras the node subscribes to with ``params`` (``/cameras/<camera>/image_raw``), in order."""
-    return tuple(topic.rstrip("/").rsplit("/")[-2] for topic in params["camera_topics"])
+def topic_camera(topic: str) -> str:
+    """The robot's camera of an image topic ``/cameras/<camera>/image_raw``."""
+    return topic.rstrip("/").rsplit("/")[-2]
 
 
 def label_tokens(preset: str) -> int:

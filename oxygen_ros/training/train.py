@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from oxygen_ros.assets import in_slot_order
 from oxygen_ros.engine.model_io import ProcessorIO
 from oxygen_ros.models import RobotConfig, get_preset, load_model
 from oxygen_ros.models.reference import joint_forward, reference_actions, reference_generate
@@ -107,8 +108,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # The model sees its cameras in slot order (the node orders its slots so, whatever the order of its
         # camera parameters): train them in that order too.
-        self.cameras = tuple(sorted(self.cameras, key=lambda c: list(CAMERA_SLOTS).index(c)
-                                    if c in CAMERA_SLOTS else len(CAMERA_SLOTS)))
+        self.cameras = in_slot_order(self.cameras)
 
     def check(self) -> None:
         """Raise ValueError naming the first setting out of its range (what does not depend on the data)."""
