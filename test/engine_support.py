@@ -21,6 +21,9 @@ class ByteIO:
         self._variant = model_config.variant
         self._dim = model_config.action_dim
 
+    def camera_view(self, slot, image):
+        return image
+
     def images_to_pixels(self, images):
         stacked = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float()
         stacked = torch.nn.functional.interpolate(stacked, size=(224, 224), mode="bilinear")

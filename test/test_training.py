@@ -175,6 +175,67 @@ def test_a_policy_trained_on_the_top_camera_at_another_image_size_is_served_by_t
         _config(dataset, tmp_path / "bad", image_size=50).check()
 
 
+def test_a_policy_trained_on_a_cropped_top_camera_is_cropped_alike_by_the_node_path(dataset, tmp_path):
+    """--crop top=...: oxygen_config.json records the crop under the model's slot, the node's loading path takes it
+    back from the checkpoint, and the engine's observe step feeds the model exactly the training's pixels."""
+    from oxygen_ros.engine import EngineConfig, Observation
+    from oxygen_ros.engine.factory import load_processor
+    from oxygen_ros.engine.inputs import ObservationReader
+    from oxygen_ros.models import RobotConfig
+    from oxygen_ros.models.checkpoint import checkpoint_overrides
+    from oxygen_ros.tools import evaluate
+    from oxygen_ros.tools.demo_data import JOINTS, read_episode
+    from oxygen_ros.training.data import CAMERA_SLOTS, episode_files, load_samples
+    from oxygen_ros.training.train import parse_args, train
+
+    box = (0.35, 0.35, 112 / 240, 0.35)              # rows 84..196, columns 112..224 of the 240 x 320 frames
+    config = parse_args(["--data", str(dataset), "--out", str(tmp_path / "crop"), "--crop", "top=" + ",".join(
+        str(v) for v in box), "--steps", "1", "--batch-size", "2", "--warmup", "1", "--val-episodes", "1",
+        "--eval-samples", "0", "--image-size", "56"])
+    assert config.crops == (("top", *box),)
+    config.progress = False
+    train(config)
+    checkpoint = tmp_path / "crop" / "checkpoint"
+    overrides = checkpoint_overrides(checkpoint, "pi05_demo")
+    assert overrides["image_crops"] == [["base_0_rgb", *box]]
+
+    robot = RobotConfig("aloha_sim", state_dim=len(JOINTS), action_dim=len(JOINTS),
+                        camera_slots=tuple(CAMERA_SLOTS.values()))
+    io = load_processor("pi05_demo", robot, model_overrides=overrides)
+    assert io.processor.config.image_crop("base_0_rgb") == box and io.processor.config.image_crop(
+        "left_wrist_0_rgb") is None
+    ep = read_episode(episode_files(dataset)[0])
+    images = {CAMERA_SLOTS[c]: ep.images[c][2] for c in ("top", "left_wrist", "right_wrist")}
+    assert images["base_0_rgb"].shape == (240, 320, 3)
+    reader = ObservationReader(EngineConfig(camera_slots=robot.camera_slots), io, None, 16)
+    seen, mask = reader.camera_images(Observation(seq=0, images=images, instruction="x", stamp=0.0))
+    assert mask == (True, True, True) and seen[0].shape == (112, 112, 3) and seen[1].shape == (240, 320, 3)
+    np.testing.assert_array_equal(seen[0], ep.images["top"][2][84:196, 112:224])
+    trained = load_samples(episode_files(dataset)[:1], 56, 50, crops={"top": box}).pixels[2]      # [C, S, S, 3]
+    served = io.images_to_pixels(seen)                                                             # [C, 3, S, S]
+    torch.testing.assert_close(served, torch.from_numpy(trained).permute(0, 3, 1, 2).float() / 255.0 * 2.0 - 1.0)
+    uncropped = load_samples(episode_files(dataset)[:1], 56, 50).pixels[2]
+    assert not np.array_equal(uncropped[0], trained[0]) and np.array_equal(uncropped[1:], trained[1:])
+
+    # The node's own settings path serves it (the evaluation builds its engine so).
+    args = evaluate.parse_args(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "eval")])
+    engine_policy = evaluate.EnginePolicy(evaluate.node_parameters("sync", args, str(checkpoint)))
+    try:
+        step = engine_policy.act({c: ep.images[c][1] for c in ("top", "left_wrist", "right_wrist")},
+                                 ep.qpos[ep.image_steps[1]].astype(np.float64), 1.0)
+        assert step.actions.shape == (50, 14) and np.isfinite(step.actions).all()
+    finally:
+        engine_policy.close()
+
+    # A crop of a camera the model does not see, or a box outside the frame, is refused before any data is read.
+    with pytest.raises(ValueError, match="does not see"):
+        _config(dataset, tmp_path / "bad", cameras=("top",), crops=(("left_wrist", 0, 0, 0.5, 0.5),)).check()
+    with pytest.raises(ValueError, match="inside it"):
+        _config(dataset, tmp_path / "bad", crops=(("top", 0.6, 0, 0.5, 0.5),)).check()
+    with pytest.raises(SystemExit):
+        parse_args(["--data", str(dataset), "--crop", "top=0.1,0.2"])
+
+
 def test_location_targets_only_where_the_cube_lies_on_the_table_and_the_pool_repeats_the_approach(dataset):
     from oxygen_ros.models import get_preset
     from oxygen_ros.tools.demo_data import SUBTASKS, read_episode

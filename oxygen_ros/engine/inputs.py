@@ -54,7 +54,8 @@ class ObservationReader:
         self._tokens_per_camera = image_tokens_per_camera
 
     def camera_images(self, obs: Observation) -> tuple[list[np.ndarray], tuple[bool, ...]]:
-        """The present cameras' images in ``camera_slots`` order and the slots' presence mask.
+        """The present cameras' images in ``camera_slots`` order (each the part the model sees:
+        :meth:`ModelIO.camera_view`) and the slots' presence mask.
 
         Raises:
             ValueError: a slot unknown to ``camera_slots``, or no camera present.
@@ -67,7 +68,7 @@ class ObservationReader:
         mask = tuple(image is not None for image in images)
         if not any(mask):
             raise ValueError(f"observation {obs.seq} has no camera image")
-        return [image for image in images if image is not None], mask
+        return [self._io.camera_view(slot, image) for slot, image in zip(self._slots, images) if image is not None], mask
 
     def prompt_ids(self, template: str, obs: Observation,
                    instruction: str | None = None) -> tuple[int, ...]:

@@ -21,6 +21,9 @@ from oxygen_ros.models.processing import Processor, build_prompt_tokens, resize_
 class ModelIO(Protocol):
     """Pre/post-processing the engine needs from the model package."""
 
+    def camera_view(self, slot: str, image: np.ndarray) -> np.ndarray:
+        """The part of camera ``slot``'s uint8 ``[H, W, 3]`` frame the model sees (its crop, or the frame)."""
+
     def images_to_pixels(self, images: Sequence[np.ndarray]) -> torch.Tensor:
         """uint8 ``[H, W, 3]`` images -> float ``[N, 3, 224, 224]`` in [-1, 1] (resize with pad)."""
 
@@ -64,6 +67,10 @@ class ProcessorIO:
     def processor(self) -> Processor:
         """The models-package processor (conventions, norm stats, tokenizer)."""
         return self._processor
+
+    def camera_view(self, slot: str, image: np.ndarray) -> np.ndarray:
+        """The model's crop of camera ``slot``'s frame (:meth:`Processor.camera_view`)."""
+        return self._processor.camera_view(slot, image)
 
     def images_to_pixels(self, images: Sequence[np.ndarray]) -> torch.Tensor:
         """uint8 ``[H, W, 3]`` images (any sizes) -> fp32 ``[N, 3, 224, 224]`` in [-1, 1], resized as the

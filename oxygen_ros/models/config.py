@@ -30,6 +30,11 @@ class VLAConfig:
             ``'causal'`` (OxyGen: images one block, each prompt token its own block).
         vision_width, vision_num_layers, vision_num_heads, vision_mlp_dim: SigLIP tower.
         image_size, patch_size: input side in pixels and patch side; 224 / 14 → 256 tokens.
+        image_crops: per camera slot, the region of its frame the model sees, cut out before the resize:
+            ``(slot, top, left, height, width)``, each a fraction of the frame's height (top, height) or width
+            (left, width), so that one crop fits every resolution of the same view (LeRobot's
+            ``crop_params_dict`` gives the same box in pixels); slots not listed see the whole frame.
+            ``()``: no crop (every preset). A trained model records its crops in ``oxygen_config.json``.
         vlm_width, vlm_mlp_dim: Gemma VLM width and GeGLU hidden size.
         vlm_num_layers: depth of the VLM and of the action expert (MoT layers pair up).
         num_heads, num_kv_heads, head_dim: attention layout shared by both experts.
@@ -70,6 +75,7 @@ class VLAConfig:
     max_token_len: int
     image_size: int = 224
     patch_size: int = 14
+    image_crops: tuple[tuple[str, float, float, float, float], ...] = ()
     action_dim: int = 32
     num_steps: int = 10
     rope_theta: float = 10000.0
@@ -99,6 +105,15 @@ class VLAConfig:
             raise ValueError("head_dim and expert_width must be even (RoPE halves, sin/cos halves)")
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size {self.image_size} not a multiple of patch_size {self.patch_size}")
+        # JSON gives lists: store tuples (the config is frozen and hashable), validated.
+        object.__setattr__(self, "image_crops", tuple(_crop_entry(c) for c in self.image_crops))
+        slots = [c[0] for c in self.image_crops]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"image_crops names a camera slot twice: {slots}")
+
+    def image_crop(self, slot: str) -> tuple[float, float, float, float] | None:
+        """The ``(top, left, height, width)`` fractions of ``slot``'s crop, None when it sees the whole frame."""
+        return next((tuple(c[1:]) for c in self.image_crops if c[0] == slot), None)
 
     @property
     def num_image_tokens(self) -> int:
@@ -112,6 +127,24 @@ class VLAConfig:
     def replace(self, **changes) -> "VLAConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def _crop_entry(entry) -> tuple[str, float, float, float, float]:
+    """One ``(slot, top, left, height, width)`` crop, checked: a box of positive size inside the frame
+    (fractions in [0, 1])."""
+    try:
+        slot, *box = entry
+        top, left, height, width = (float(v) for v in box)
+    except (TypeError, ValueError):
+        raise ValueError(f"an image crop is (slot, top, left, height, width), got {entry!r}") from None
+    if not isinstance(slot, str) or not slot:
+        raise ValueError(f"an image crop's slot must be a camera slot name, got {slot!r}")
+    eps = 1e-9
+    if not (top >= 0 and left >= 0 and height > 0 and width > 0
+            and top + height <= 1 + eps and left + width <= 1 + eps):
+        raise ValueError(f"image crop of {slot}: (top {top}, left {left}, height {height}, width {width}) must be "
+                         "fractions of the frame with a positive size, inside it")
+    return (slot, top, left, height, width)
 
 
 def _full(name: str, variant: str, horizon: int, max_token_len: int) -> VLAConfig:

@@ -1,7 +1,7 @@
 r"""Pre- and post-processing between robot data and the model, following a checkpoint family's
 :class:`~oxygen_ros.models.conventions.Conventions` (docs/conventions.md lists each fact's source).
 
-* Images: resize with padding to 224x224 keeping the aspect ratio, scale to [-1, 1]; the pad is
+* Images: an optional crop per camera (a fixed region of the frame, ``VLAConfig.image_crops``), then resize with padding to 224x224 keeping the aspect ratio, scale to [-1, 1]; the pad is
   exactly -1. The filter is the family's: openpi's PIL bilinear on uint8, or LeRobot's torch bilinear
   (no antialiasing) on float [0, 1]. A missing camera's slot is masked.
 * State: the robot adaptation (ALOHA's joint flips and gripper conversion), then the family's
@@ -34,7 +34,35 @@ logger = logging.getLogger(__name__)
 ACTION_PROMPT = PI05_STATE_PROMPT
 PI0_PROMPT = NEWLINE_PROMPT
 __all__ = ["ACTION_PROMPT", "LANGUAGE_PROMPT", "PI0_PROMPT", "Processor", "build_prompt_tokens",
-           "clean_instruction", "discretize_state", "pad_to", "prompt_parts", "resize_with_pad"]
+           "clean_instruction", "crop_image", "discretize_state", "pad_to", "prompt_parts", "resize_with_pad"]
+
+
+def crop_image(image, box: tuple[float, float, float, float]):
+    """The region ``box`` of camera image(s), before the resize (``VLAConfig.image_crops``).
+
+    Args:
+        image: ``[H, W, 3]`` or ``[N, H, W, 3]`` (numpy or torch, any dtype).
+        box: ``(top, left, height, width)`` as fractions of the frame's height (top, height) and width
+            (left, width). Pixel bounds are rounded: rows ``round(top·H)`` .. ``round((top + height)·H)``
+            (end excluded), columns likewise with W — e.g. ``(0.35, 0.35, 0.4667, 0.35)`` of a 240 x 320 frame
+            is rows 84..196 and columns 112..224, a 112 x 112 region.
+
+    Returns:
+        a contiguous array of the same kind and dtype, ``[h, w, 3]`` or ``[N, h, w, 3]``.
+
+    Raises:
+        ValueError: an image that is not ``[..., H, W, 3]``, or a box that rounds to no pixel on this frame.
+    """
+    if image.ndim not in (3, 4) or image.shape[-1] != 3:
+        raise ValueError(f"image must be [H, W, 3] or [N, H, W, 3], got {tuple(image.shape)}")
+    height, width = image.shape[-3], image.shape[-2]
+    top, left, box_h, box_w = box
+    r0, r1 = round(top * height), min(height, round((top + box_h) * height))
+    c0, c1 = round(left * width), min(width, round((left + box_w) * width))
+    if r1 <= r0 or c1 <= c0:
+        raise ValueError(f"image crop {tuple(box)} covers no pixel of a {height} x {width} frame")
+    region = image[..., r0:r1, c0:c1, :]
+    return region.contiguous() if isinstance(region, torch.Tensor) else np.ascontiguousarray(region)
 
 
 def resize_with_pad(image, size: int = 224, method: str = "pil_bilinear") -> torch.Tensor:
@@ -263,6 +291,10 @@ class Processor:
                 conv.adaptation is not None and conv.adaptation.dim != robot.action_dim:
             raise ValueError(f"{conv.source}: robot adaptation of {conv.adaptation.dim} dimensions, robot "
                              f"{robot.name} has state {robot.state_dim}, action {robot.action_dim}")
+        cropped = [c[0] for c in self.config.image_crops if c[0] not in robot.camera_slots]
+        if cropped:
+            raise ValueError(f"image crops for camera slots {cropped} the robot {robot.name} does not have "
+                             f"(its slots: {list(robot.camera_slots)})")
         unknown = [slot for slot in robot.camera_slots if conv.camera(slot) is None]
         if unknown:
             raise ValueError(f"camera slots {unknown} are not used by {conv.source} "
@@ -285,11 +317,18 @@ class Processor:
     def _stats(self, key: str) -> NormStats | None:
         return None if self.norm_stats is None else self.norm_stats.get(key)
 
+    def camera_view(self, slot: str, image):
+        """The part of camera ``slot``'s frame the model sees: its crop (``config.image_crops``,
+        :func:`crop_image`), or the frame itself when the slot has none. Image as :func:`crop_image`."""
+        box = self.config.image_crop(slot)
+        return image if box is None else crop_image(image, box)
+
     def images(self, frames: dict[str, object]) -> tuple[torch.Tensor, torch.Tensor]:
         """Camera frames by slot name → ``(pixels fp32 [C, 3, 224, 224], camera_mask bool [C])``.
 
         Slots follow ``robot.camera_slots``; a missing slot (absent or None) is masked and its pixels
-        are -1 (never encoded: callers skip masked cameras). Resized per ``conventions.image_resize``.
+        are -1 (never encoded: callers skip masked cameras). Cropped (:meth:`camera_view`), then resized per
+        ``conventions.image_resize``.
 
         Raises:
             ValueError: unknown slot names, no camera at all, or a camera the family requires missing.
@@ -302,7 +341,7 @@ class Processor:
         mask = torch.zeros(len(self.robot.camera_slots), dtype=torch.bool)
         for i, slot in enumerate(self.robot.camera_slots):
             if frames.get(slot) is not None:
-                pixels[i] = resize_with_pad(frames[slot], size, self.conventions.image_resize)
+                pixels[i] = resize_with_pad(self.camera_view(slot, frames[slot]), size, self.conventions.image_resize)
                 mask[i] = True
             elif self.conventions.camera(slot).required:
                 raise ValueError(f"camera {slot} ({self.conventions.camera(slot).key}) is required by "

@@ -1,6 +1,7 @@
 """Training samples from the demo's HDF5 episodes, processed exactly as the node processes its inputs.
 
-A sample is one rendered image step ``s`` of an episode: the chosen cameras (default all three) at ``s`` (resized with
+A sample is one rendered image step ``s`` of an episode: the chosen cameras (default all three) at ``s`` (cropped where
+the training asks, then resized with
 padding to the preset's ``image_size`` by the family's filter, :func:`oxygen_ros.models.processing.resize_with_pad`),
 the joint state ``qpos[s]`` (normalised and discretised into the prompt by the engine's own
 :class:`oxygen_ros.engine.model_io.ProcessorIO`), the action chunk ``action[s : s + H]`` (the last
@@ -19,7 +20,7 @@ import torch
 
 from oxygen_ros.assets import DEMO_CAMERA_SLOTS
 from oxygen_ros.models.config import NormStats
-from oxygen_ros.models.processing import resize_with_pad
+from oxygen_ros.models.processing import crop_image, resize_with_pad
 from oxygen_ros.tools.demo_data import CAMERAS, read_episode
 
 # The demo robot's cameras → the model's camera slots (openpi's ALOHA image keys), as the demo and the evaluation use.
@@ -85,7 +86,8 @@ def episode_files(data_dir: str | Path) -> list[Path]:
 
 
 def load_samples(files: list[Path], image_size: int, horizon: int, resize: str = "pil_bilinear",
-                 every: int = 1, cameras: tuple[str, ...] = CAMERAS) -> DemoSamples:
+                 every: int = 1, cameras: tuple[str, ...] = CAMERAS,
+                 crops: dict[str, tuple[float, float, float, float]] | None = None) -> DemoSamples:
     """Read ``files`` into :class:`DemoSamples` (every ``every``-th rendered image step of each).
 
     Args:
@@ -95,6 +97,8 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
         resize: the family's filter (``pil_bilinear`` for the openpi π0.5 defaults).
         every: keep every this many image steps (1 = all).
         cameras: the cameras the model sees, in slot order (a subset of :data:`CAMERAS`; default all three).
+        crops: per camera, the ``(top, left, height, width)`` fractions of its frame the model sees
+            (:func:`oxygen_ros.models.processing.crop_image`, as the node crops); default none.
 
     Raises:
         ValueError: an unknown camera.
@@ -116,7 +120,10 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
         chosen = np.arange(0, len(ep.image_steps), every)
         resized = []
         for camera in cameras:
-            x = resize_with_pad(ep.images[camera][chosen], image_size, resize)    # [n, 3, S, S] in [-1, 1]
+            frames = ep.images[camera][chosen]
+            if crops and camera in crops:
+                frames = crop_image(frames, crops[camera])
+            x = resize_with_pad(frames, image_size, resize)                     # [n, 3, S, S] in [-1, 1]
             resized.append(((x + 1.0) / 2.0 * 255.0).round().clamp(0, 255).to(torch.uint8)
                            .permute(0, 2, 3, 1).numpy())
         pixels.append(np.stack(resized, axis=1))

@@ -97,6 +97,7 @@ class TrainConfig:
     image_stride: int = 1
     cameras: tuple[str, ...] = tuple(CAMERA_SLOTS)
     image_size: int = 0
+    crops: tuple[tuple[str, float, float, float, float], ...] = ()
     val_episodes: int = 2
     eval_samples: int = 16
     seed: int = 0
@@ -122,6 +123,11 @@ class TrainConfig:
         unknown = [c for c in self.cameras if c not in CAMERA_SLOTS]
         if unknown or not self.cameras or len(set(self.cameras)) != len(self.cameras):
             raise ValueError(f"cameras must be distinct names of {tuple(CAMERA_SLOTS)}, got {tuple(self.cameras)}")
+        for crop in self.crops:
+            if crop[0] not in self.cameras:
+                raise ValueError(f"crop of camera {crop[0]!r}, which the model does not see (cameras "
+                                 f"{','.join(self.cameras)})")
+        self.model_config()                               # checks the crops' boxes
         patch = get_preset(self.preset).patch_size       # (an unknown preset raises ValueError naming it)
         if self.image_size % patch:
             raise ValueError(f"image_size must be 0 (the preset's) or a multiple of {self.preset}'s patch size "
@@ -129,6 +135,23 @@ class TrainConfig:
         for name in ("val_episodes", "eval_samples", "warmup", "save_every", "image_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+    def model_config(self) -> VLAConfig:
+        """The preset with this training's image size and crops (``crops`` keyed by camera → the model's slots).
+
+        Raises:
+            ValueError: an unknown preset or camera, a crop box outside the frame.
+        """
+        changes = {}
+        if self.image_size:
+            changes["image_size"] = self.image_size
+        if self.crops:
+            unknown = [c[0] for c in self.crops if c[0] not in CAMERA_SLOTS]
+            if unknown:
+                raise ValueError(f"crops name unknown cameras {unknown} (cameras: {tuple(CAMERA_SLOTS)})")
+            changes["image_crops"] = tuple((CAMERA_SLOTS[c[0]], *c[1:]) for c in self.crops)
+        return get_preset(self.preset, **changes)
 
 
 def init_training_weights(model: VLAModel, seed: int) -> VLAModel:
@@ -462,11 +485,9 @@ def train(config: TrainConfig) -> dict:
     if len(files) <= config.val_episodes:
         raise DataMismatchError(f"{len(files)} episodes cannot hold {config.val_episodes} validation episodes and "
                                 "training")
-    model_config = get_preset(config.preset)
-    if config.image_size:
-        model_config = model_config.replace(image_size=config.image_size)
+    model_config = config.model_config()
     samples = load_samples(files, model_config.image_size, model_config.action_horizon, every=config.image_stride,
-                           cameras=config.cameras)
+                           cameras=config.cameras, crops={c[0]: tuple(c[1:]) for c in config.crops})
     stats = compute_norm_stats(samples)
     processor = build_processor(model_config, stats, config.cameras)
     batches = Batches(samples, processor, config.seed, config.subtask_in_action_prompt, config.locate)
@@ -574,6 +595,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--image-size", type=int, default=d.image_size,
                         help="image side [px] the model is built for, a multiple of the preset's patch size "
                              "(default 0: the preset's)")
+    parser.add_argument("--crop", action="append", default=[], metavar="CAMERA=TOP,LEFT,HEIGHT,WIDTH",
+                        help="the region of a camera's frame the model sees, as fractions of the frame's height "
+                             "(TOP, HEIGHT) and width (LEFT, WIDTH), cut out before the resize and recorded in the "
+                             "checkpoint (the node crops alike); repeat per camera (default: whole frames)")
     parser.add_argument("--val-episodes", type=int, default=d.val_episodes,
                         help="last N episodes held out for evaluation (default 2)")
     parser.add_argument("--eval-samples", type=int, default=d.eval_samples,
@@ -584,13 +609,22 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--save-every", type=int, default=d.save_every,
                         help=f"steps between part-way checkpoints, 0 = only at the end (default {d.save_every})")
     args = parser.parse_args(argv)
+    crops = []
+    for text in args.crop:
+        camera, _, box = text.partition("=")
+        try:
+            crops.append((camera.strip(), *(float(v) for v in box.split(","))))
+        except ValueError:
+            parser.error(f"--crop {text!r}: expected CAMERA=TOP,LEFT,HEIGHT,WIDTH with numbers")
+        if len(crops[-1]) != 5:
+            parser.error(f"--crop {text!r}: expected CAMERA=TOP,LEFT,HEIGHT,WIDTH (four fractions)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = TrainConfig(data=args.data, out=args.out, preset=args.preset, steps=args.steps,
                          batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, text_weight=args.text_weight,
                          subtask_in_action_prompt=args.subtask_in_action_prompt, locate=args.locate,
                          approach_repeat=args.approach_repeat, image_stride=args.image_stride,
                          cameras=tuple(c.strip() for c in args.cameras.split(",") if c.strip()),
-                         image_size=args.image_size,
+                         image_size=args.image_size, crops=tuple(crops),
                          val_episodes=args.val_episodes, eval_samples=args.eval_samples, seed=args.seed,
                          device=device, log_every=args.log_every,
                          save_every=args.save_every)
