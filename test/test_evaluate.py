@@ -126,6 +126,8 @@ def test_node_lockstep_runs_over_dds_on_simulated_time(evaluate, tmp_path):
     summary = result["conditions"][0]
     episode = summary["per_episode"][0]
     assert summary["aborted"] == 0 and episode["aborted"] is None
+    # The robot process ended cleanly (a failure after its record would be counted here, the episode kept).
+    assert summary["robot_exit_failures"] == 0 and episode["robot_exit"] == 0
     # Two observations, two chunks received by the robot, 20 steps of 20 ms executed on the simulated clock.
     assert episode["chunks"] == 2 and episode["steps"] == 20 and episode["sim_s"] == pytest.approx(0.4)
     # Every frame got a speech and a memory request; their finals came back over DDS with the frame's stamp.

@@ -98,7 +98,7 @@ def test_trainer_writes_a_checkpoint_the_loader_and_engine_serve(dataset, tmp_pa
     assert policy["preset"] == "pi05_demo" and policy["joint_names"] == list(JOINTS)
     config = get_preset(policy["preset"])
     saved_config = json.loads((checkpoint / "oxygen_config.json").read_text())
-    assert saved_config == {k: getattr(config, k) for k in config.__dataclass_fields__}
+    assert saved_config == json.loads(json.dumps({k: getattr(config, k) for k in config.__dataclass_fields__}))
     conventions = resolve_conventions(config.variant, config.action_horizon, config.max_token_len, str(checkpoint), None)
     assert conventions.action_prompt.template == policy["action_prompt"]
     assert conventions.action_horizon == 50 and conventions.norm_mode == "quantile" and conventions.adaptation is None
@@ -197,7 +197,7 @@ def test_a_policy_trained_on_a_cropped_top_camera_is_cropped_alike_by_the_node_p
     train(config)
     checkpoint = tmp_path / "crop" / "checkpoint"
     overrides = checkpoint_overrides(checkpoint, "pi05_demo")
-    assert overrides["image_crops"] == [["base_0_rgb", *box]]
+    assert overrides == {"image_size": 56, "image_crops": (("base_0_rgb", *box),)}
 
     robot = RobotConfig("aloha_sim", state_dim=len(JOINTS), action_dim=len(JOINTS),
                         camera_slots=tuple(CAMERA_SLOTS.values()))

@@ -227,7 +227,13 @@ def checkpoint_overrides(checkpoint_dir: str | Path, preset: str) -> dict:
     unknown = sorted(set(recorded) - set(base.__dataclass_fields__))
     if unknown:
         raise ValueError(f"{path}: fields {unknown} are not model settings")
-    return {k: v for k, v in recorded.items() if k not in _NOT_FROM_CHECKPOINT and getattr(base, k) != v}
+    values = {k: _from_json(v) for k, v in recorded.items() if k not in _NOT_FROM_CHECKPOINT}
+    return {k: v for k, v in values.items() if getattr(base, k) != v}
+
+
+def _from_json(value):
+    """A recorded value as the config holds it: JSON's lists back to tuples (e.g. ``image_crops``)."""
+    return tuple(_from_json(v) for v in value) if isinstance(value, list) else value
 
 
 def load_model(preset: str | VLAConfig, checkpoint_dir: str | Path | None = None,

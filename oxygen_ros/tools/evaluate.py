@@ -606,6 +606,7 @@ def _realtime_worker(spec: dict) -> int:
         _write_record(record, sheet, Path(spec["out"]))
     finally:
         executor.shutdown()
+        spinner.join(timeout=5.0)      # out of rclpy's wait before the node and the context go
         robot.destroy_node()
         rclpy.try_shutdown()
     return 0
@@ -725,10 +726,16 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
                 log(f"{condition} episode {seed}: the robot process ran past {limit:.0f} s; stopped")
             finally:
                 stop_child(child)
-            if child.returncode != 0 or not out.is_file():
+            if not out.is_file():
                 raise RuntimeError(f"{condition} episode {seed}: the robot process failed (exit {child.returncode}); "
                                    f"see {out_dir / condition / 'robot.log'}")
             record = _read_record(out)
+            # The record is written once the episode has run to its end; a process that fails after it (seen: an
+            # abort in the robot's teardown) leaves a whole episode: scored, the failure logged and counted.
+            record["robot_exit"] = child.returncode
+            if child.returncode != 0:
+                log(f"{condition} episode {seed}: the robot process exited {child.returncode} after writing its "
+                    f"record (teardown); episode kept; see {out_dir / condition / 'robot.log'}")
             # the episode's last utterances (in real time, requests of frames the node could not process before
             # the robot stopped never finish: a short wait)
             _wait_for_language(oxygen, follower, args.chunk_timeout if condition == "node-lockstep" else 5.0)
@@ -926,7 +933,8 @@ def score_episode(record: dict) -> dict:
             "resent_frames": sum(1 for _, _, sends in frames if sends > 1),
             "chunks_per_wall_s": record.get("chunks", 0) / wall if wall > 0 else None,
             "wall_s": round(wall, 2), "sim_s": round(record.get("sim_s", 0.0), 3),
-            "resets": record.get("resets", 0), "aborted": record.get("aborted")}
+            "resets": record.get("resets", 0), "aborted": record.get("aborted"),
+            "robot_exit": record.get("robot_exit", 0)}
 
 
 def summarise(condition: str, episodes: list[dict]) -> dict:
@@ -960,7 +968,8 @@ def summarise(condition: str, episodes: list[dict]) -> dict:
             "resent_frames": sum(e.get("resent_frames", 0) for e in episodes),
             "chunks_per_wall_s": chunks / wall if wall else None, "chunks_per_sim_s": chunks / sim if sim else None,
             "seconds_per_episode": wall / n if n else None,
-            "aborted": sum(1 for e in episodes if e["aborted"]), "per_episode": episodes}
+            "aborted": sum(1 for e in episodes if e["aborted"]),
+            "robot_exit_failures": sum(1 for e in episodes if e.get("robot_exit")), "per_episode": episodes}
 
 
 def markdown_table(summaries: list[dict]) -> str:

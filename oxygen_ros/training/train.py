@@ -127,7 +127,6 @@ class TrainConfig:
             if crop[0] not in self.cameras:
                 raise ValueError(f"crop of camera {crop[0]!r}, which the model does not see (cameras "
                                  f"{','.join(self.cameras)})")
-        self.model_config()                               # checks the crops' boxes
         patch = get_preset(self.preset).patch_size       # (an unknown preset raises ValueError naming it)
         if self.image_size % patch:
             raise ValueError(f"image_size must be 0 (the preset's) or a multiple of {self.preset}'s patch size "
@@ -135,7 +134,7 @@ class TrainConfig:
         for name in ("val_episodes", "eval_samples", "warmup", "save_every", "image_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
+        self.model_config()                               # checks the crops' boxes
 
     def model_config(self) -> VLAConfig:
         """The preset with this training's image size and crops (``crops`` keyed by camera → the model's slots).
