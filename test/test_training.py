@@ -185,7 +185,7 @@ def test_a_policy_trained_on_a_cropped_top_camera_is_cropped_alike_by_the_node_p
     from oxygen_ros.models.checkpoint import checkpoint_overrides
     from oxygen_ros.tools import evaluate
     from oxygen_ros.tools.demo_data import JOINTS, read_episode
-    from oxygen_ros.training.data import CAMERA_SLOTS, episode_files, load_samples
+    from oxygen_ros.training.data import CAMERA_SLOTS, DataMismatchError, episode_files, load_samples
     from oxygen_ros.training.train import parse_args, train
 
     box = (0.35, 0.35, 112 / 240, 0.35)              # rows 84..196, columns 112..224 of the 240 x 320 frames
@@ -234,6 +234,9 @@ def test_a_policy_trained_on_a_cropped_top_camera_is_cropped_alike_by_the_node_p
         _config(dataset, tmp_path / "bad", crops=(("top", 0.6, 0, 0.5, 0.5),)).check()
     with pytest.raises(SystemExit):
         parse_args(["--data", str(dataset), "--crop", "top=0.1,0.2"])
+    # A box too small for the frames' resolution is found when the frames are cropped: the data does not fit.
+    with pytest.raises(DataMismatchError, match="covers no pixel"):
+        load_samples(episode_files(dataset)[:1], 56, 50, crops={"top": (0.0, 0.0, 0.001, 0.001)})
 
 
 def test_location_targets_only_where_the_cube_lies_on_the_table_and_the_pool_repeats_the_approach(dataset):

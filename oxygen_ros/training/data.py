@@ -102,7 +102,8 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
 
     Raises:
         ValueError: an unknown camera.
-        DataMismatchError: an episode without one of ``cameras`` or without images.
+        DataMismatchError: an episode without one of ``cameras`` or without images, or a crop that covers no pixel
+            of its frames.
     """
     unknown = [c for c in cameras if c not in CAMERAS]
     if unknown or not cameras:
@@ -122,7 +123,10 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
         for camera in cameras:
             frames = ep.images[camera][chosen]
             if crops and camera in crops:
-                frames = crop_image(frames, crops[camera])
+                try:
+                    frames = crop_image(frames, crops[camera])
+                except ValueError as error:          # a box too small for these frames' resolution
+                    raise DataMismatchError(f"{path}: {camera}: {error}") from None
             x = resize_with_pad(frames, image_size, resize)                     # [n, 3, S, S] in [-1, 1]
             resized.append(((x + 1.0) / 2.0 * 255.0).round().clamp(0, 255).to(torch.uint8)
                            .permute(0, 2, 3, 1).numpy())
