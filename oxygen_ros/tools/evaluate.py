@@ -541,10 +541,19 @@ def _lockstep_worker(spec: dict) -> int:
         _write_record(record, sim.sheet, Path(spec["out"]))
     finally:
         sim.close()
-        executor.shutdown()
-        node.destroy_node()
-        rclpy.try_shutdown()
+        _end_worker(executor, spinner, node)
     return 0
+
+
+def _end_worker(executor, spinner: threading.Thread, node) -> None:
+    """A robot worker's teardown: the executor, then its spinner thread out of rclpy's wait (a robot child once
+    aborted in its teardown without this join), then the node and the context."""
+    import rclpy
+
+    executor.shutdown()
+    spinner.join(timeout=5.0)
+    node.destroy_node()
+    rclpy.try_shutdown()
 
 
 def _realtime_worker(spec: dict) -> int:
@@ -605,10 +614,7 @@ def _realtime_worker(spec: dict) -> int:
                   "wall_s": time.perf_counter() - wall, "sim_s": scene.sim_time - SETTLE_S, "aborted": None}
         _write_record(record, sheet, Path(spec["out"]))
     finally:
-        executor.shutdown()
-        spinner.join(timeout=5.0)      # out of rclpy's wait before the node and the context go
-        robot.destroy_node()
-        rclpy.try_shutdown()
+        _end_worker(executor, spinner, robot)
     return 0
 
 

@@ -137,19 +137,15 @@ class TrainConfig:
         self.model_config()                               # checks the crops' boxes
 
     def model_config(self) -> VLAConfig:
-        """The preset with this training's image size and crops (``crops`` keyed by camera → the model's slots).
+        """The preset with this training's image size and crops (``crops`` keyed by camera → the model's slots);
+        the cameras are those :meth:`check` accepted.
 
         Raises:
-            ValueError: an unknown preset or camera, a crop box outside the frame.
+            ValueError: an unknown preset, a crop box outside the frame.
         """
-        changes = {}
+        changes = {"image_crops": tuple((CAMERA_SLOTS[c[0]], *c[1:]) for c in self.crops)}
         if self.image_size:
             changes["image_size"] = self.image_size
-        if self.crops:
-            unknown = [c[0] for c in self.crops if c[0] not in CAMERA_SLOTS]
-            if unknown:
-                raise ValueError(f"crops name unknown cameras {unknown} (cameras: {tuple(CAMERA_SLOTS)})")
-            changes["image_crops"] = tuple((CAMERA_SLOTS[c[0]], *c[1:]) for c in self.crops)
         return get_preset(self.preset, **changes)
 
 
