@@ -192,3 +192,49 @@ def test_phase_flags_and_captions_from_scene_facts():
     assert low == pytest.approx(1 - high) and 0.29 < low < 0.3
     assert wilson_interval(100, 200)[1] - wilson_interval(100, 200)[0] < high - low
     assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_via_waypoints_pass_without_stopping():
+    """A via waypoint V between stops A and B: the grasp point follows the cubic Bézier curve with both inner
+    control points at V (worked by hand at the midpoint), never stops there, and stops only at A and B."""
+    pytest.importorskip("gym_aloha")
+    from oxygen_ros.tools.demo_data import Plan, Waypoint
+
+    q = np.array([1.0, 0.0, 0.0, 0.0])
+    a, v, b = np.zeros(3), np.array([0.0, 0.0, 0.8]), np.array([0.8, 0.0, 0.0])
+    still = (Waypoint(0.0, np.zeros(3), q, 1.0), Waypoint(2.0, np.zeros(3), q, 1.0))
+    right = (Waypoint(0.0, a, q, 1.0), Waypoint(0.7, v, q, 0.5, via=True), Waypoint(2.0, b, q, 0.0))
+    plan = Plan(still, right, ((0.0, 0),), 2.0)
+    # t = 1 s: u = s = 1/2, weights (1/8, 3/4, 1/8); the opening goes 1 -> 0.5 -> 0 by the same weights.
+    pos, quat, grip = plan.pose("right", 1.0)
+    np.testing.assert_allclose(pos, 0.125 * a + 0.75 * v + 0.125 * b)
+    assert grip == pytest.approx(7 / 8 * (1 / 8 * 1.0 + 7 / 8 * 0.5))
+    np.testing.assert_allclose(plan.pose("right", 0.0)[0], a)
+    np.testing.assert_allclose(plan.pose("right", 2.0)[0], b)
+    np.testing.assert_allclose(plan.pose("right", 5.0)[0], b)
+    speed = [np.linalg.norm(plan.pose("right", t + 1e-3)[0] - plan.pose("right", t)[0]) / 1e-3
+             for t in np.linspace(0.0, 2.0 - 1e-3, 201)]
+    assert speed[0] < 0.01 and speed[-1] < 0.01 and min(speed[20:-20]) > 0.1
+    # It arrives from V's direction: just before B it moves along V -> B.
+    arrival = b - plan.pose("right", 1.95)[0]
+    np.testing.assert_allclose(arrival / np.linalg.norm(arrival), (b - v) / np.linalg.norm(b - v), atol=1e-3)
+    for bad in ((Waypoint(0.0, a, q, 1.0, via=True), right[2]), (right[0], right[1]),
+                (right[0], right[1], right[1], right[2])):
+        with pytest.raises(ValueError, match="via waypoint"):
+            Plan(still, bad, ((0.0, 0),), 2.0)
+
+
+def test_the_expert_never_pauses_before_the_grasp_or_the_hand_over(episode):
+    """The expert's arms keep moving from their start to where they close: the right arm from 0.1 s until it
+    reaches the cube (2.1 s) and from the lift (3.3 s) to the hand-over point (5.8 s), the left arm from 4.4 s
+    until it reaches the cube at the hand-over (7.2 s). A stop
+    on the way would be a state whose chunk label is ambiguous (wait, or go on), which a policy learns as
+    "stand still"."""
+    from oxygen_ros.tools.demo_data import DT
+
+    speed = np.abs(np.diff(episode.action, axis=0)) / DT          # [rad/s] per joint
+    right = speed[:, 7:13].max(axis=1)
+    left = speed[:, 0:6].max(axis=1)
+    assert right[round(0.1 / DT):round(1.95 / DT)].min() > 0.05, right[round(0.1 / DT):round(1.95 / DT)].min()
+    assert right[round(3.4 / DT):round(5.7 / DT)].min() > 0.05, right[round(3.4 / DT):round(5.7 / DT)].min()
+    assert left[round(4.4 / DT):round(7.05 / DT)].min() > 0.05, left[round(4.4 / DT):round(7.05 / DT)].min()

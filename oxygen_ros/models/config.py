@@ -106,7 +106,7 @@ class VLAConfig:
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size {self.image_size} not a multiple of patch_size {self.patch_size}")
         # JSON gives lists: store tuples (the config is frozen and hashable), validated.
-        object.__setattr__(self, "image_crops", tuple(_crop_entry(c) for c in self.image_crops))
+        object.__setattr__(self, "image_crops", tuple(check_image_crop(c) for c in self.image_crops))
         slots = [c[0] for c in self.image_crops]
         if len(set(slots)) != len(slots):
             raise ValueError(f"image_crops names a camera slot twice: {slots}")
@@ -129,9 +129,13 @@ class VLAConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _crop_entry(entry) -> tuple[str, float, float, float, float]:
-    """One ``(slot, top, left, height, width)`` crop, checked: a box of positive size inside the frame
-    (fractions in [0, 1])."""
+def check_image_crop(entry) -> tuple[str, float, float, float, float]:
+    """One ``(name, top, left, height, width)`` crop, checked: a box of positive size inside the frame
+    (fractions in [0, 1]). ``name`` is the camera slot (or, for a message in the user's words, the camera).
+
+    Raises:
+        ValueError: naming ``name``, when the entry is malformed or the box is empty or outside the frame.
+    """
     try:
         slot, *box = entry
         top, left, height, width = (float(v) for v in box)

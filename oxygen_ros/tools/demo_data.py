@@ -137,20 +137,22 @@ def gripper_quat(arm: str, pitch: float) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Waypoint:
-    """One key pose of one arm's gripper; poses between waypoints are interpolated (linear position,
-    spherical orientation, linear opening).
+    """One key pose of one arm's gripper; poses between waypoints are interpolated (:meth:`Plan.pose`).
 
     Attributes:
         t: time since the episode start [s].
         pos: grasp point (centre between the fingertips) in the world [m], float ``[3]``.
         quat: gripper_link orientation (w, x, y, z), float ``[4]``.
         grip: commanded normalised gripper opening (0 closed, 1 open).
+        via: the arm passes this pose's neighbourhood without stopping (a control point of the curve from
+            the previous stop to the next; its ``t`` is then unused); False: the arm stops here.
     """
 
     t: float
     pos: np.ndarray
     quat: np.ndarray
     grip: float
+    via: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,10 +160,14 @@ class Plan:
     """The expert's script for one episode.
 
     Attributes:
-        left, right: each arm's waypoints, increasing in ``t``, the first at t = 0.
+        left, right: each arm's waypoints, increasing in ``t``, the first at t = 0; the first and the last
+            are stops, and at most one via waypoint lies between two stops.
         segments: ``(start time [s], index into SUBTASKS)``, increasing; a step belongs to the last
             segment started at or before it.
         duration: episode length [s].
+
+    Raises:
+        ValueError: a via waypoint first, last or next to another via waypoint.
     """
 
     left: tuple[Waypoint, ...]
@@ -169,18 +175,41 @@ class Plan:
     segments: tuple[tuple[float, int], ...]
     duration: float
 
+    def __post_init__(self):
+        for arm, points in (("left", self.left), ("right", self.right)):
+            via = [w.via for w in points]
+            if via[0] or via[-1] or any(x and y for x, y in zip(via, via[1:])):
+                raise ValueError(f"{arm} arm: a via waypoint must lie between two stops, one at most")
+
     def pose(self, arm: str, t: float) -> tuple[np.ndarray, np.ndarray, float]:
-        """``(grasp point [3], quaternion [4], gripper opening)`` of ``arm`` at time ``t`` [s]."""
+        """``(grasp point [3], quaternion [4], gripper opening)`` of ``arm`` at time ``t`` [s].
+
+        Between two stops the progress is the smoothstep s = 3u² − 2u³ of the time fraction u, so the arm
+        starts and stops with zero velocity. Without a via waypoint between them the grasp point moves on
+        the straight line, the orientation by slerp and the opening linearly in s. With one via waypoint V
+        from stop A to stop B the grasp point follows the cubic Bézier curve with both inner control points
+        at V: (1 − s)³A + (1 − (1 − s)³ − s³)V + s³B. It never stops at V, leaves A towards V and arrives at B
+        from V's direction (a descent from above stays vertical at its end). The orientation and the
+        opening go A → V → B by the same weights (V's once 1 − (1 − s)³ is reached, then on to B by s³).
+        """
         points = self.left if arm == "left" else self.right
+        stops = [i for i, w in enumerate(points) if not w.via]
         if t <= points[0].t:
             w = points[0]
             return w.pos, w.quat, w.grip
-        for a, b in zip(points, points[1:]):
+        for i, j in zip(stops, stops[1:]):
+            a, b = points[i], points[j]
             if t <= b.t:
-                s = (t - a.t) / (b.t - a.t)
-                # smoothstep: zero velocity at every waypoint, so the arms start and stop gently
-                s = s * s * (3.0 - 2.0 * s)
-                return a.pos + s * (b.pos - a.pos), _slerp(a.quat, b.quat, s), a.grip + s * (b.grip - a.grip)
+                u = (t - a.t) / (b.t - a.t)
+                s = u * u * (3.0 - 2.0 * u)
+                if j == i + 1:
+                    return a.pos + s * (b.pos - a.pos), _slerp(a.quat, b.quat, s), a.grip + s * (b.grip - a.grip)
+                v = points[i + 1]
+                wa, wb = (1.0 - s) ** 3, s ** 3
+                pos = wa * a.pos + (1.0 - wa - wb) * v.pos + wb * b.pos
+                quat = _slerp(_slerp(a.quat, v.quat, 1.0 - wa), b.quat, wb)
+                grip = (1.0 - wb) * (wa * a.grip + (1.0 - wa) * v.grip) + wb * b.grip
+                return pos, quat, grip
         w = points[-1]
         return w.pos, w.quat, w.grip
 
@@ -203,6 +232,7 @@ _HANDOVER = np.array([0.0, 0.5, 0.22])   # where the right gripper brings the cu
 _LEFT_REACH = 0.004        # the left fingertips stop this far short of the cube centre (x)
 _PRE_HANDOVER = 0.12       # the left gripper waits this much further left before closing in
 _HANDOVER_TIME = 6.4       # the cube has settled at the hand-over point; the left approach is planned then
+_REPLAN_BLEND = 0.4        # the left arm's pose blends from the first plan into the re-planned one over this
 _DURATION = 10.6
 
 
@@ -213,14 +243,17 @@ def plan_transfer(cube: np.ndarray, start: dict[str, tuple[np.ndarray, np.ndarra
     The right gripper, tipped down, picks the cube off the table from above with its fingertips (their
     pads on the upper right of the cube's side faces) and carries it to the hand-over point; the left
     gripper, level, comes in from the left and closes on the free left half of the side faces; the
-    right gripper opens and backs off along its approach.
+    right gripper opens and backs off along its approach. Neither arm stops on its way to the cube: the
+    right one curves from its start pose over the cube (10 cm above it, a via waypoint) down onto it, the
+    left one from its start pose past a point 12 cm left of the hand-over into it; each stops only where its
+    gripper closes (a pause on the way is a state from which the demonstrations both wait and go on).
 
     Args:
         cube: float ``[3]`` cube centre at rest.
         start: per arm, the ``(grasp point, quaternion)`` of the gripper at the start pose.
         handover_cube: the cube centre observed at ``_HANDOVER_TIME`` (the expert re-plans the left
-            arm's approach on where the cube really sits in the right gripper); None = the plan's
-            hand-over point.
+            arm's approach on where the cube really sits in the right gripper, and blends into the new
+            plan over ``_REPLAN_BLEND``); None = the plan's hand-over point.
 
     Returns:
         the :class:`Plan` (10.6 s).
@@ -240,11 +273,11 @@ def plan_transfer(cube: np.ndarray, start: dict[str, tuple[np.ndarray, np.ndarra
     r0, l0 = start["right"], start["left"]
     right = (
         Waypoint(0.0, r0[0], r0[1], _OPEN),
-        Waypoint(1.5, above, down, _OPEN),
+        Waypoint(1.5, above, down, _OPEN, via=True),
         Waypoint(2.1, at_cube, down, _OPEN),
         Waypoint(3.1, at_cube, down, _CLOSED),
         Waypoint(3.3, at_cube, down, _CLOSED),
-        Waypoint(4.3, lifted, down, _CLOSED),
+        Waypoint(4.3, lifted, down, _CLOSED, via=True),
         Waypoint(5.8, right_hold, down, _CLOSED),
         Waypoint(8.4, right_hold, down, _CLOSED),
         Waypoint(9.4, right_hold, down, _OPEN),
@@ -254,8 +287,7 @@ def plan_transfer(cube: np.ndarray, start: dict[str, tuple[np.ndarray, np.ndarra
     left = (
         Waypoint(0.0, l0[0], l0[1], _OPEN),
         Waypoint(4.3, l0[0], l0[1], _OPEN),
-        Waypoint(5.8, left_hold - _PRE_HANDOVER * x, left_level, _OPEN),
-        Waypoint(_HANDOVER_TIME, left_hold - _PRE_HANDOVER * x, left_level, _OPEN),
+        Waypoint(5.8, left_hold - _PRE_HANDOVER * x, left_level, _OPEN, via=True),
         Waypoint(7.2, left_hold, left_level, _OPEN),
         Waypoint(8.2, left_hold, left_level, _CLOSED),
         Waypoint(_DURATION, left_hold, left_level, _CLOSED),
@@ -500,11 +532,18 @@ def expert_joint_trajectory(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     actions = np.empty((steps, 14), np.float32)
     subtask = np.empty(steps, np.int8)
     reached = np.zeros(4, bool)
+    first = plan
     for k in range(steps):
         t = k * DT
         if abs(t - _HANDOVER_TIME) < DT / 2:
             plan = plan_transfer(cube, start, scene.cube_position())
         poses = {arm: plan.pose(arm, t) for arm in ARMS}
+        if plan is not first and t < _HANDOVER_TIME + _REPLAN_BLEND:
+            # the left arm is moving when it re-plans: blend from the first plan's pose into the new one
+            w = (t - _HANDOVER_TIME) / _REPLAN_BLEND
+            w = w * w * (3.0 - 2.0 * w)
+            old, new = first.pose("left", t), poses["left"]
+            poses["left"] = ((1 - w) * old[0] + w * new[0], _slerp(old[1], new[1], w), (1 - w) * old[2] + w * new[2])
         scene.command(poses)
         scene.step(DT)
         joints = scene.arm_joints()
@@ -521,21 +560,24 @@ def expert_joint_trajectory(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
 # leave the nominal path; the labels stay the expert's targets (absolute positions, so they lead back).
 PERTURB_SIGMA = 0.08          # default stationary std of the noise per arm joint [rad] (before the episode's scale)
 _PERTURB_TAU = 0.3            # correlation time of the noise (Ornstein-Uhlenbeck) [s]
-_PERTURB_WINDOWS = ((0.0, 1.6, 1.0), (3.7, 5.6, 0.5))   # (start [s], end [s], gain): approach; lift and carry
+_PERTURB_WINDOWS = ((0.0, 1.7, 1.0), (1.5, 2.0, 0.5), (3.7, 5.6, 0.5))   # (start [s], end [s], gain):
+#                                                  approach; descent to the cube (softer); lift and carry
 _PERTURB_FADE = 0.2           # the gain ramps in and out over this [s] (no step in the targets)
 _ARM_JOINTS = np.r_[0:6, 7:13]
 _PROJECT_WINDOW = 25          # labels may come from up to this many steps before or after the step
 _PROJECT_TIME_COST = 2e-5     # [rad^2 per step^2]: ties (a static arm) go to the step's own time
-_PERTURB_RETRIES = (1.0, 0.5)   # scales tried in turn until the perturbed replay still transfers; else none
+_PERTURB_RETRIES = (1.0, 0.5, 0.25)   # scales tried in turn until the perturbed replay still transfers; else none
 
 
 def perturbation(seed: int, steps: int, sigma: float) -> np.ndarray:
     """The noise added to the executed targets of episode ``seed``: float ``[steps, 14]`` [rad].
 
     An Ornstein-Uhlenbeck process per arm joint (stationary std ``sigma`` × the episode's scale, correlation
-    time ``_PERTURB_TAU``), multiplied by the gain of ``_PERTURB_WINDOWS`` at each step's time; zero on the
-    grippers, and zero around the grasp and the hand-over, where a push would knock the cube and make the
-    expert's targets wrong. The episode's scale is uniform in [0, 1) (from ``seed``), so the data also
+    time ``_PERTURB_TAU``), multiplied by the largest gain of ``_PERTURB_WINDOWS`` at each step's time (each
+    window ramps in and out over ``_PERTURB_FADE``): full during the approach, half during the descent to the
+    cube (so the data hold states beside the descent, labelled down to the cube), zero from 2.0 s while the
+    gripper closes and from 5.6 s around the hand-over, where a push would knock the cube and make the
+    expert's targets wrong; zero on the grippers. The episode's scale is uniform in [0, 1) (from ``seed``), so the data also
     cover small deviations. ``sigma`` = 0 gives zeros.
     """
     noise = np.zeros((steps, 14))
@@ -638,7 +680,7 @@ def generate_episode(seed: int, image_every: int = 5, width: int = 320, height: 
             noise, the executed targets are the expert's plus the noise, the recorded ``action`` and
             ``subtask`` are the expert's at the nominal step nearest each recorded state
             (:func:`project_labels`); if the perturbed replay no longer transfers the cube, the noise is
-            halved, then dropped (``Episode.perturb_scale`` says which was kept).
+            scaled by 1/2, then 1/4, then dropped (``Episode.perturb_scale`` says which was kept).
 
     Raises:
         ValueError: ``image_every`` < 1, ``perturb`` < 0 or an unknown camera.

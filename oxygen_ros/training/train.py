@@ -54,7 +54,7 @@ from oxygen_ros.engine.model_io import ProcessorIO
 from oxygen_ros.models import RobotConfig, get_preset, load_model
 from oxygen_ros.models.reference import joint_forward, reference_actions, reference_generate
 from oxygen_ros.models.checkpoint import save_checkpoint
-from oxygen_ros.models.config import VLAConfig, save_norm_stats
+from oxygen_ros.models.config import VLAConfig, check_image_crop, save_norm_stats
 from oxygen_ros.models.conventions import Conventions, variant_defaults
 from oxygen_ros.models.gemma import AdaRMSNorm, RMSNorm
 from oxygen_ros.models.processing import Processor, pad_to
@@ -127,6 +127,7 @@ class TrainConfig:
             if crop[0] not in self.cameras:
                 raise ValueError(f"crop of camera {crop[0]!r}, which the model does not see (cameras "
                                  f"{','.join(self.cameras)})")
+            check_image_crop(crop)                        # its box, named by camera as the user typed it
         patch = get_preset(self.preset).patch_size       # (an unknown preset raises ValueError naming it)
         if self.image_size % patch:
             raise ValueError(f"image_size must be 0 (the preset's) or a multiple of {self.preset}'s patch size "
@@ -134,7 +135,7 @@ class TrainConfig:
         for name in ("val_episodes", "eval_samples", "warmup", "save_every", "image_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        self.model_config()                               # checks the crops' boxes
+        self.model_config()
 
     def model_config(self) -> VLAConfig:
         """The preset with this training's image size and crops (``crops`` keyed by camera → the model's slots);
