@@ -230,7 +230,7 @@ _GRASP_PITCH = 1.0         # the right gripper tipped down by ~57°; kept until 
 #                            stays upright for the left gripper
 _HANDOVER = np.array([0.0, 0.5, 0.22])   # where the right gripper brings the cube
 _LEFT_REACH = 0.004        # the left fingertips stop this far short of the cube centre (x)
-_PRE_HANDOVER = 0.12       # the left gripper waits this much further left before closing in
+_PRE_HANDOVER = 0.12       # the left gripper passes this much further left on its way in (a via point)
 _HANDOVER_TIME = 6.4       # the cube has settled at the hand-over point; the left approach is planned then
 _REPLAN_BLEND = 0.4        # the left arm's pose blends from the first plan into the re-planned one over this
 _DURATION = 10.6
@@ -244,8 +244,8 @@ def plan_transfer(cube: np.ndarray, start: dict[str, tuple[np.ndarray, np.ndarra
     pads on the upper right of the cube's side faces) and carries it to the hand-over point; the left
     gripper, level, comes in from the left and closes on the free left half of the side faces; the
     right gripper opens and backs off along its approach. Neither arm stops on its way to the cube: the
-    right one curves from its start pose over the cube (10 cm above it, a via waypoint) down onto it, the
-    left one from its start pose past a point 12 cm left of the hand-over into it; each stops only where its
+    right one curves from its start pose over the cube (10 cm above it, a via waypoint) down onto it and,
+    once it holds the cube, from the lift (12 cm up) on into the carry; the left one from its start pose past a point 12 cm left of the hand-over into it; each stops only where its
     gripper closes (a pause on the way is a state from which the demonstrations both wait and go on).
 
     Args:
