@@ -36,6 +36,7 @@ def test_expert_outcome_matches_the_data_generators_replay(evaluate):
     assert score["outcome"] == dict(zip(demo_data.PHASES, map(bool, replay.outcome)))
     np.testing.assert_array_equal(np.asarray(record["flags"], bool), replay.phases)
     assert score["outcome"]["grasped"] and score["outcome"]["transferred"]
+    assert score["closest_m"] == min(record["right_distance"]) < demo_data._REACH_TOLERANCE
     assert score["steps"] == evaluate.EPISODE_STEPS and len(record["observed"]) == evaluate.EPISODE_STEPS // 10
     # The script's labels against the state-based ground truth: they differ only near segment boundaries.
     assert score["subtask_total"] == len(record["observed"])

@@ -929,7 +929,9 @@ def score_episode(record: dict) -> dict:
     measured = [x for x in inference if x is not None]
     frames = record.get("frames") or []
     wall = record.get("wall_s") or 0.0
+    distances = record.get("right_distance") or []
     return {"seed": record["seed"], "outcome": outcome(record["flags"]), "steps": len(record["flags"]),
+            "closest_m": float(min(distances)) if distances else None,
             "subtask_correct": speech_ok, "subtask_total": speech_n,
             "caption_correct": caption_ok, "caption_total": caption_n,
             "chunks": record.get("chunks", 0), "mean_latency_s": float(np.mean(latencies)) if latencies else None,
@@ -966,8 +968,10 @@ def summarise(condition: str, episodes: list[dict]) -> dict:
     chunks = sum(e["chunks"] for e in episodes)
     wall = sum(e["wall_s"] for e in episodes)
     sim = sum(e["sim_s"] for e in episodes)
+    closest = [e["closest_m"] for e in episodes if e.get("closest_m") is not None]
     return {"condition": condition, "episodes": n, "success": success, "subtask": accuracy("subtask"),
             "caption": accuracy("caption"),
+            "median_closest_m": float(np.median(closest)) if closest else None,
             "mean_latency_s": float(np.mean(latencies)) if latencies else None,
             "mean_inference_latency_s": mean_of("mean_inference_latency_s"),
             "mean_waiting_s": mean_of("mean_waiting_s"),
@@ -992,11 +996,13 @@ def markdown_table(summaries: list[dict]) -> str:
     def ms(x) -> str:
         return num(None if x is None else x * 1e3, ".0f")
 
-    lines = ["| condition | reached | grasped | lifted | transferred | subtask acc. | caption acc. | "
+    lines = ["| condition | reached | grasped | lifted | transferred | closest [cm] | subtask acc. | caption acc. | "
              "frame→chunk [ms] | inference [ms] | waiting [ms] | chunks/s (wall) | chunks/s (sim) | s/episode |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
+        closest = s.get("median_closest_m")
         lines.append(f"| {s['condition']} | " + " | ".join(pct(s["success"][p]) for p in PHASES)
+                     + f" | {num(None if closest is None else closest * 100, '.1f')}"
                      + f" | {acc(s['subtask'])} | {acc(s['caption'])} | "
                      f"{ms(s['mean_latency_s'])} | {ms(s.get('mean_inference_latency_s'))} | "
                      f"{ms(s.get('mean_waiting_s'))} | "
@@ -1039,7 +1045,8 @@ def contact_sheet(record: dict, condition: str, path: Path) -> Path:
 def _episode_line(record: dict) -> str:
     s = score_episode(record)
     reached = ", ".join(p for p, v in s["outcome"].items() if v) or "nothing"
-    return (f"{reached}; subtask {s['subtask_correct']}/{s['subtask_total']}, caption "
+    closest = "" if s["closest_m"] is None else f", closest {s['closest_m'] * 100:.1f} cm"
+    return (f"{reached}{closest}; subtask {s['subtask_correct']}/{s['subtask_total']}, caption "
             f"{s['caption_correct']}/{s['caption_total']}, {s['chunks']} chunks, {s['wall_s']:.1f} s"
             + ("" if s["mean_latency_s"] is None else f"; frame to chunk {s['mean_latency_s'] * 1e3:.0f} ms")
             + ("" if s["mean_inference_latency_s"] is None else
