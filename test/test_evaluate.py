@@ -38,9 +38,15 @@ def test_expert_outcome_matches_the_data_generators_replay(evaluate):
     assert score["outcome"]["grasped"] and score["outcome"]["transferred"]
     assert score["closest_m"] == min(record["right_distance"]) < demo_data._REACH_TOLERANCE
     assert score["steps"] == evaluate.EPISODE_STEPS and len(record["observed"]) == evaluate.EPISODE_STEPS // 10
-    # The script's labels against the state-based ground truth: they differ only near segment boundaries.
+    # The script's labels against the state-based ground truth: they differ only within 0.4 s of a segment
+    # boundary, and while the left gripper closes (7.0-8.4 s: the rule says "release" once it closes on the
+    # cube, the script from 8.4 s, when the right gripper opens; docs/demo-policy.md, "Ground-truth subtask").
     assert score["subtask_total"] == len(record["observed"])
-    assert score["subtask_correct"] >= 0.8 * score["subtask_total"]
+    boundaries = np.array([start for start, _ in demo_data.plan_transfer(np.zeros(3), {
+        arm: (np.zeros(3), np.array([1.0, 0.0, 0.0, 0.0])) for arm in demo_data.ARMS}).segments[1:]])
+    differ = [k * 10 * demo_data.DT for k, o in enumerate(record["observed"]) if o["subtask"] != replay.subtask[k * 10]]
+    assert len(differ) == score["subtask_total"] - score["subtask_correct"]
+    assert all(np.abs(boundaries - t).min() <= 0.4 + 1e-9 or 7.0 - 1e-9 <= t < 8.4 for t in differ), differ
     # The ground truth walks through the subtasks in order on a successful episode.
     truth = [o["subtask"] for o in record["observed"]]
     assert truth[0] == 0 and truth[-1] == len(demo_data.SUBTASKS) - 1 and truth == sorted(truth)
@@ -50,9 +56,9 @@ def test_expert_outcome_matches_the_data_generators_replay(evaluate):
 def test_ground_truth_rules(evaluate):
     from oxygen_ros.tools.demo_data import SceneState
 
-    def state(z, on_table=False, right_fingers=0, distance=0.2):
-        return SceneState(cube=np.array([0.1, 0.5, z]), right_fingers=right_fingers, left_fingers=0,
-                          on_table=on_table, right_distance=distance)
+    def state(z, on_table=False, right_fingers=0, distance=0.2, left_fingers=0, left_on_right=False):
+        return SceneState(cube=np.array([0.1, 0.5, z]), right_fingers=right_fingers, left_fingers=left_fingers,
+                          on_table=on_table, right_distance=distance, left_on_right=left_on_right)
 
     def position(left, right):
         p = np.zeros(14)
@@ -66,6 +72,9 @@ def test_ground_truth_rules(evaluate):
     assert gt(state(rest + 0.05, right_fingers=1), rest, position(1.0, 0.6)) == 2          # lift
     assert gt(state(rest + 0.15), rest, position(1.0, 0.6)) == 3                            # hand over
     assert gt(state(rest + 0.15), rest, position(0.9, 0.6)) == 4                            # left closing: release
+    # The left fingers stopped on the right ones (or on the cube) while still reading open: closing, release.
+    assert gt(state(rest + 0.15, right_fingers=2, left_on_right=True), rest, position(0.96, 0.6)) == 4
+    assert gt(state(rest + 0.15, right_fingers=2, left_fingers=1), rest, position(0.96, 0.6)) == 4
     assert gt(state(rest, on_table=True), rest, position(0.6, 1.0)) == 0                   # dropped: fetch again
 
 

@@ -391,6 +391,8 @@ class SceneState:
         right_fingers, left_fingers: how many of the gripper's two fingers touch the cube (0-2).
         on_table: whether the cube touches the table.
         right_distance: distance from the right gripper's grasp point to the cube centre [m].
+        left_on_right: whether a left finger touches a right finger (the left gripper closing on the cube
+            the right one holds meets the right fingers first).
     """
 
     cube: np.ndarray
@@ -398,6 +400,7 @@ class SceneState:
     left_fingers: int
     on_table: bool
     right_distance: float
+    left_on_right: bool = False
 
     @property
     def right_holds(self) -> bool:
@@ -423,17 +426,20 @@ def scene_state(model: mujoco.MjModel, data: mujoco.MjData, geoms: _Geoms | None
     """The :class:`SceneState` of ``data`` (contacts of the last physics step)."""
     g = geoms or _Geoms(model)
     touching: set[int] = set()
+    left_on_right = False
     for i in range(data.ncon):
         a, b = int(data.contact[i].geom1), int(data.contact[i].geom2)
         if a == g.cube:
             touching.add(b)
         elif b == g.cube:
             touching.add(a)
+        pair = {a, b}
+        left_on_right |= bool(pair & g.fingers["left"]) and bool(pair & g.fingers["right"])
     cube = data.geom_xpos[g.cube].copy()
     grasp = data.xpos[g.right_gripper] + _quat_rotate(data.xquat[g.right_gripper], _GRASP_OFFSET)
     return SceneState(cube=cube, right_fingers=len(touching & g.fingers["right"]),
                       left_fingers=len(touching & g.fingers["left"]), on_table=g.table in touching,
-                      right_distance=float(np.linalg.norm(grasp - cube)))
+                      right_distance=float(np.linalg.norm(grasp - cube)), left_on_right=left_on_right)
 
 
 def phase_flags(state: SceneState, rest_height: float) -> np.ndarray:

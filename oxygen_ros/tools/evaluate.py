@@ -101,8 +101,9 @@ def ground_truth_subtask(state: demo_data.SceneState, rest_height: float, positi
     ≥ 5 mm above its rest height; a gripper is "open" at an opening ≥ 0.95, it reads 0.97-1.0 open and
     ~0.6 closed on the cube):
 
-    1. the cube is off the table and the left gripper is not open (closing on, or holding, the cube) →
-       ``release the cube``;
+    1. the cube is off the table and the left gripper is closing on, or holding, the cube: it is not open,
+       or a left finger touches the cube or a right finger (closing on the cube the right gripper holds, the
+       left fingers meet the right ones, and may stop while still reading "open") → ``release the cube``;
     2. the cube is off the table and ≥ ``HANDOVER_HEIGHT`` (10 cm) above its rest height →
        ``hand the cube to the left arm``;
     3. the cube is off the table, lower, and the right gripper closed (opening < 0.9) or a right finger
@@ -119,7 +120,7 @@ def ground_truth_subtask(state: demo_data.SceneState, rest_height: float, positi
     """
     left_open, right_open = float(position[6]), float(position[13])
     if not state.on_table and state.cube[2] >= rest_height + OFF_TABLE:
-        if left_open < GRIPPER_OPEN:
+        if left_open < GRIPPER_OPEN or state.left_fingers > 0 or state.left_on_right:
             return 4
         if state.cube[2] >= rest_height + HANDOVER_HEIGHT:
             return 3
