@@ -589,7 +589,7 @@ def _realtime_worker(spec: dict) -> int:
         latest_top[:] = [np.frombuffer(bytes(msg.data), np.uint8).reshape(msg.height, msg.width, 3)]
 
     robot.create_subscription(Image, "/cameras/top/image_raw", on_top, qos_profile_sensor_data)
-    flags, samples, sheet = [], [], []
+    flags, samples, sheet, distances = [], [], [], []
     rest = None
     end_s = SETTLE_S + spec["max_steps"] * DT
     wall = time.perf_counter()
@@ -604,14 +604,15 @@ def _realtime_worker(spec: dict) -> int:
                     rest = float(state.cube[2])
                 f = [bool(x) for x in phase_flags(state, rest)]
                 flags.append(f)
+                distances.append(round(float(state.right_distance), 6))
                 samples.append({"t": now, "subtask": ground_truth_subtask(state, rest, position),
                                 "caption": scene_caption(state), "flags": f})
                 since = scene.sim_time - SETTLE_S
                 if len([s for s in SHEET_TIMES_S if s <= since + 1e-9]) > len(sheet) and latest_top:
                     sheet.append((since, latest_top[0][::2, ::2].copy(), samples[-1]["subtask"], f))
             time.sleep(DT)
-        record = {"seed": spec["seed"], "rest_height": rest, "flags": flags, "observed": samples,
-                  "resets": scene.resets, "chunks": robot.chunks_received - chunks0,
+        record = {"seed": spec["seed"], "rest_height": rest, "flags": flags, "right_distance": distances,
+                  "observed": samples, "resets": scene.resets, "chunks": robot.chunks_received - chunks0,
                   "wall_s": time.perf_counter() - wall, "sim_s": scene.sim_time - SETTLE_S, "aborted": None}
         _write_record(record, sheet, Path(spec["out"]))
     finally:
