@@ -113,6 +113,18 @@ def test_sync_and_expert_report_and_sync_is_deterministic(evaluate, tmp_path):
     assert not np.allclose(first["final_position"], start, atol=1e-4), "the policy's actions moved nothing"
 
 
+def test_bad_arguments_are_usage_errors(evaluate, tmp_path, capsys):
+    for extra in (["--start-seed", "-5"], ["--start-seed", str(2 ** 32 - 1), "--episodes", "2"],
+                  ["--conditions", ","], ["--episodes", "0"]):
+        with pytest.raises(SystemExit):
+            evaluate.parse_args(["--checkpoint", "", "--conditions", "expert", *extra])
+    assert "--episodes must be >= 1, got 0" in capsys.readouterr().err       # names the option and the value
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit, match="cannot create the output directory"):
+        evaluate.main(["--checkpoint", "", "--conditions", "expert", "--out", str(blocker / "x")])
+
+
 def test_lockstep_inputs_are_reliable_and_realtime_inputs_best_effort(evaluate, tmp_path):
     """The lockstep robot publishes each frame's inputs once: a lost best-effort sample would never be replaced
     and the frame never completed (the joint state, sent with the images, was lost on a loaded machine:

@@ -689,14 +689,14 @@ def generate_episode(seed: int, image_every: int = 5, width: int = 320, height: 
             scaled by 1/2, then 1/4, then dropped (``Episode.perturb_scale`` says which was kept).
 
     Raises:
-        ValueError: ``image_every`` < 1, ``perturb`` < 0 or an unknown camera.
+        ValueError: ``image_every`` < 1, ``perturb`` < 0 or not finite, or an unknown camera.
         RuntimeError: the replay's physics went unstable (the scene reset itself; never seen with this
             expert, but such an episode must not be stored).
     """
     if image_every < 1:
         raise ValueError(f"image_every must be >= 1, got {image_every}")
-    if perturb < 0:
-        raise ValueError(f"perturb must be >= 0, got {perturb}")
+    if not 0 <= perturb < math.inf:
+        raise ValueError(f"perturb must be finite and >= 0, got {perturb}")
     unknown = set(cameras) - set(CAMERAS)
     if unknown:
         raise ValueError(f"unknown cameras {sorted(unknown)}; the scene's are {CAMERAS}")
@@ -888,8 +888,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("episodes", "image_every", "width", "height", "workers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.perturb >= 0.0:
-        parser.error(f"--perturb must be >= 0, got {args.perturb}")
+    if not 0.0 <= args.perturb < math.inf:
+        parser.error(f"--perturb must be finite and >= 0, got {args.perturb}")
+    if not (0 <= args.seed and args.seed + args.episodes <= 2 ** 32):
+        parser.error(f"--seed must be >= 0 and the last seed < 2**32 (cube seeds are unsigned 32-bit), got {args.seed}")
     return args
 
 

@@ -1178,9 +1178,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # cycle skipped clock_not_started; seen twice, cause not found), node-realtime after node-lockstep works.
     args.conditions = [c for c in CONDITIONS if c in chosen]
     if unknown or not args.conditions:
-        parser.error(f"unknown conditions {unknown}; choose from {', '.join(CONDITIONS)}")
-    if args.episodes < 1 or args.max_steps < 1 or args.execute_steps < 1 or args.language_every < 1:
-        parser.error("--episodes, --max-steps, --execute-steps and --language-every must be >= 1")
+        parser.error((f"unknown conditions {unknown}" if unknown else "no condition given")
+                     + f"; choose from {', '.join(CONDITIONS)}")
+    for name in ("episodes", "max_steps", "execute_steps", "language_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not (0 <= args.start_seed and args.start_seed + args.episodes <= 2 ** 32):
+        parser.error(f"--start-seed must be >= 0 and the last seed < 2**32 (cube seeds are unsigned 32-bit), got {args.start_seed}")
     if not math.isfinite(args.ensemble):
         parser.error("--ensemble must be finite")
     if args.camera_rate is not None and not args.camera_rate > 0:
@@ -1204,6 +1208,10 @@ def main(argv: list[str] | None = None) -> int:
     # The run keeps to itself on DDS unless ROS_DOMAIN_ID is set (children inherit it).
     os.environ.setdefault("ROS_DOMAIN_ID", str(150 + os.getpid() % 80))
     os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SystemExit(f"evaluate: cannot create the output directory {args.out}: {error.strerror}") from None
     result = evaluate(args)
     print(result["table"])
     print(f"wrote {Path(args.out) / 'eval.json'}, {Path(args.out) / 'eval.md'} and the contact sheets")
