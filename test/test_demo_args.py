@@ -60,7 +60,9 @@ def test_non_positive_durations_are_usage_errors(demo, argv, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--episodes", "0"], "--episodes must be >= 1"), (["--workers", "0"], "--workers must be >= 1"),
     (["--image-every", "0"], "--image-every must be >= 1"), (["--width", "0"], "--width must be >= 1"),
-    (["--perturb", "-1"], "--perturb must be >= 0")])
+    (["--perturb", "-1"], "--perturb must be finite and >= 0"), (["--perturb", "inf"], "--perturb must be finite"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--seed", str(2 ** 32 - 1), "--episodes", "2"], "the last seed < 2**32")])
 def test_bad_demo_data_arguments_are_usage_errors(argv, message, capsys):
     from oxygen_ros.tools import demo_data
 
