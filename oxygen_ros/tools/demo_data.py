@@ -135,6 +135,17 @@ def gripper_quat(arm: str, pitch: float) -> np.ndarray:
 # the expert's plan
 
 
+def _smoothstep(u: float) -> float:
+    """3u² − 2u³: from 0 to 1 over u in [0, 1] with zero slope at both ends (no velocity step)."""
+    return u * u * (3.0 - 2.0 * u)
+
+
+def _interpolate(a: tuple, b: tuple, s: float) -> tuple[np.ndarray, np.ndarray, float]:
+    """The pose ``s`` of the way from ``a`` to ``b`` (each ``(grasp point, quaternion, opening)``): linear
+    position and opening, spherical orientation."""
+    return a[0] + s * (b[0] - a[0]), _slerp(a[1], b[1], s), a[2] + s * (b[2] - a[2])
+
+
 @dataclasses.dataclass(frozen=True)
 class Waypoint:
     """One key pose of one arm's gripper; poses between waypoints are interpolated (:meth:`Plan.pose`).
@@ -188,8 +199,8 @@ class Plan:
         starts and stops with zero velocity. Without a via waypoint between them the grasp point moves on
         the straight line, the orientation by slerp and the opening linearly in s. With one via waypoint V
         from stop A to stop B the grasp point follows the cubic Bézier curve with both inner control points
-        at V: (1 − s)³A + (1 − (1 − s)³ − s³)V + s³B. It never stops at V, leaves A towards V and arrives at B
-        from V's direction (a descent from above stays vertical at its end). The orientation and the
+        at V: (1 − s)³A + (1 − (1 − s)³ − s³)V + s³B. It never stops near V, leaves A towards V and arrives
+        at B from V's direction (a descent from above stays vertical at its end). The orientation and the
         opening go A → V → B by the same weights (V's once 1 − (1 − s)³ is reached, then on to B by s³).
         """
         points = self.left if arm == "left" else self.right
@@ -200,10 +211,9 @@ class Plan:
         for i, j in zip(stops, stops[1:]):
             a, b = points[i], points[j]
             if t <= b.t:
-                u = (t - a.t) / (b.t - a.t)
-                s = u * u * (3.0 - 2.0 * u)
+                s = _smoothstep((t - a.t) / (b.t - a.t))
                 if j == i + 1:
-                    return a.pos + s * (b.pos - a.pos), _slerp(a.quat, b.quat, s), a.grip + s * (b.grip - a.grip)
+                    return _interpolate((a.pos, a.quat, a.grip), (b.pos, b.quat, b.grip), s)
                 v = points[i + 1]
                 wa, wb = (1.0 - s) ** 3, s ** 3
                 pos = wa * a.pos + (1.0 - wa - wb) * v.pos + wb * b.pos
@@ -245,8 +255,9 @@ def plan_transfer(cube: np.ndarray, start: dict[str, tuple[np.ndarray, np.ndarra
     gripper, level, comes in from the left and closes on the free left half of the side faces; the
     right gripper opens and backs off along its approach. Neither arm stops on its way to the cube: the
     right one curves from its start pose over the cube (10 cm above it, a via waypoint) down onto it and,
-    once it holds the cube, from the lift (12 cm up) on into the carry; the left one from its start pose past a point 12 cm left of the hand-over into it; each stops only where its
-    gripper closes (a pause on the way is a state from which the demonstrations both wait and go on).
+    once it holds the cube, from the lift (12 cm up) on into the carry; the left one from its start pose
+    past a point 12 cm left of the hand-over into it; each stops only where its gripper closes (a pause
+    on the way is a state from which the demonstrations both wait and go on).
 
     Args:
         cube: float ``[3]`` cube centre at rest.
@@ -433,8 +444,8 @@ def scene_state(model: mujoco.MjModel, data: mujoco.MjData, geoms: _Geoms | None
             touching.add(b)
         elif b == g.cube:
             touching.add(a)
-        pair = {a, b}
-        left_on_right |= bool(pair & g.fingers["left"]) and bool(pair & g.fingers["right"])
+        left, right = g.fingers["left"], g.fingers["right"]
+        left_on_right |= (a in left and b in right) or (a in right and b in left)
     cube = data.geom_xpos[g.cube].copy()
     grasp = data.xpos[g.right_gripper] + _quat_rotate(data.xquat[g.right_gripper], _GRASP_OFFSET)
     return SceneState(cube=cube, right_fingers=len(touching & g.fingers["right"]),
@@ -546,10 +557,8 @@ def expert_joint_trajectory(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
         poses = {arm: plan.pose(arm, t) for arm in ARMS}
         if plan is not first and t < _HANDOVER_TIME + _REPLAN_BLEND:
             # the left arm is moving when it re-plans: blend from the first plan's pose into the new one
-            w = (t - _HANDOVER_TIME) / _REPLAN_BLEND
-            w = w * w * (3.0 - 2.0 * w)
-            old, new = first.pose("left", t), poses["left"]
-            poses["left"] = ((1 - w) * old[0] + w * new[0], _slerp(old[1], new[1], w), (1 - w) * old[2] + w * new[2])
+            w = _smoothstep((t - _HANDOVER_TIME) / _REPLAN_BLEND)
+            poses["left"] = _interpolate(first.pose("left", t), poses["left"], w)
         scene.command(poses)
         scene.step(DT)
         joints = scene.arm_joints()
@@ -583,8 +592,8 @@ def perturbation(seed: int, steps: int, sigma: float) -> np.ndarray:
     window ramps in and out over ``_PERTURB_FADE``): full during the approach, half during the descent to the
     cube (so the data hold states beside the descent, labelled down to the cube), zero from 2.0 s while the
     gripper closes and from 5.6 s around the hand-over, where a push would knock the cube and make the
-    expert's targets wrong; zero on the grippers. The episode's scale is uniform in [0, 1) (from ``seed``), so the data also
-    cover small deviations. ``sigma`` = 0 gives zeros.
+    expert's targets wrong; zero on the grippers. The episode's scale is uniform in [0, 1) (from ``seed``),
+    so the data also cover small deviations. ``sigma`` = 0 gives zeros.
     """
     noise = np.zeros((steps, 14))
     if sigma <= 0:
@@ -890,9 +899,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0.0 <= args.perturb < math.inf:
         parser.error(f"--perturb must be finite and >= 0, got {args.perturb}")
-    if not (0 <= args.seed and args.seed + args.episodes <= 2 ** 32):
-        parser.error(f"--seed must be >= 0 and the last seed < 2**32 (cube seeds are unsigned 32-bit), got {args.seed}")
+    problem = seed_range_problem("--seed", args.seed, args.episodes)
+    if problem:
+        parser.error(problem)
     return args
+
+
+def seed_range_problem(option: str, first: int, count: int) -> str | None:
+    """Why ``count`` cube seeds from ``first`` cannot be sampled (gym-aloha seeds NumPy: unsigned 32-bit),
+    naming ``option``; None when they can."""
+    if 0 <= first and first + count <= 2 ** 32:
+        return None
+    return f"{option} must be >= 0 and the last seed < 2**32 (cube seeds are unsigned 32-bit), got {first}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1183,8 +1183,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("episodes", "max_steps", "execute_steps", "language_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not (0 <= args.start_seed and args.start_seed + args.episodes <= 2 ** 32):
-        parser.error(f"--start-seed must be >= 0 and the last seed < 2**32 (cube seeds are unsigned 32-bit), got {args.start_seed}")
+    problem = demo_data.seed_range_problem("--start-seed", args.start_seed, args.episodes)
+    if problem:
+        parser.error(problem)
     if not math.isfinite(args.ensemble):
         parser.error("--ensemble must be finite")
     if args.camera_rate is not None and not args.camera_rate > 0:
