@@ -327,3 +327,21 @@ def test_main_with_settings_that_do_not_fit_the_data_ends_with_a_message(dataset
         train.main(["--data", str(dataset), "--out", str(tmp_path / "out"), "--steps", "1", "--val-episodes", "2"])
     with pytest.raises(DataMismatchError, match="cannot hold"):
         train.train(_config(dataset, tmp_path / "out", val_episodes=2))
+
+
+def test_extra_data_trains_and_is_never_held_out(dataset, tmp_path):
+    """--extra-data: its episodes join the training split only (here one start-frame episode: one sample),
+    the held-out episodes stay the last of --data, and the record says how many were extra."""
+    from oxygen_ros.tools.demo_data import generate_dataset
+    from oxygen_ros.training import train
+
+    starts = tmp_path / "starts"
+    generate_dataset(starts, episodes=1, seed=40, image_every=1_000_000, progress=False)
+    summary = train.train(_config(dataset, tmp_path / "out", extra_data=(starts,), steps=1, eval_samples=0))
+    assert summary["extra_episodes"] == 1 and summary["episodes"] == 3
+    assert summary["train_samples"] == 1 + 5 and summary["validation_samples"] == 5
+    assert summary["config"]["extra_data"] == [str(starts)]
+    recorded = json.loads((tmp_path / "out" / "checkpoint" / "demo_policy.json").read_text())
+    assert recorded["training"]["extra_episodes"] == 1
+    with pytest.raises(SystemExit, match="no episodes"):
+        train.main(["--data", str(dataset), "--extra-data", str(tmp_path / "empty"), "--out", str(tmp_path / "o2")])

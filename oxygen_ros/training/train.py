@@ -83,6 +83,7 @@ class TrainConfig:
 
     data: Path
     out: Path = Path("runs/train-demo")
+    extra_data: tuple[Path, ...] = ()
     preset: str = "pi05_demo"
     steps: int = 5000
     batch_size: int = 16
@@ -468,7 +469,7 @@ def train(config: TrainConfig) -> dict:
     """Run one training (see the module docstring); returns the summary written to ``train_log.json``.
 
     Raises:
-        FileNotFoundError: no episodes in ``config.data``.
+        FileNotFoundError: no episodes in ``config.data`` or in a directory of ``config.extra_data``.
         ValueError: bad settings (:meth:`TrainConfig.check`).
         DataMismatchError: settings that do not fit the episodes (fewer than ``val_episodes`` + 1, a camera of
             ``cameras`` not recorded).
@@ -481,6 +482,10 @@ def train(config: TrainConfig) -> dict:
     if len(files) <= config.val_episodes:
         raise DataMismatchError(f"{len(files)} episodes cannot hold {config.val_episodes} validation episodes and "
                                 "training")
+    # --extra-data: episodes that only train (e.g. start frames), before --data's so that the held-out
+    # episodes stay the last of --data
+    extra = [f for directory in config.extra_data for f in episode_files(directory)]
+    files = extra + files
     model_config = config.model_config()
     samples = load_samples(files, model_config.image_size, model_config.action_horizon, every=config.image_stride,
                            cameras=config.cameras, crops={c[0]: tuple(c[1:]) for c in config.crops})
@@ -546,15 +551,16 @@ def train(config: TrainConfig) -> dict:
                 chosen = eval_rng.choice(pool, size=min(config.eval_samples, len(pool)), replace=False)
                 evaluation[name] = evaluate(model, batches, np.sort(chosen), config.seed)
     summary = {
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(config).items()},
-        "episodes": len(files), "train_samples": int(len(train_pool)), "validation_samples": int(len(val_pool)),
+        "config": {k: _json_value(v) for k, v in dataclasses.asdict(config).items()},
+        "episodes": len(files), "extra_episodes": len(extra), "train_samples": int(len(train_pool)),
+        "validation_samples": int(len(val_pool)),
         "parameters": int(sum(p.numel() for p in model.parameters())),
         "seconds": round(seconds, 1), "seconds_per_step": round(seconds / max(1, config.steps), 4),
         "final": history[-1] if history else None, "evaluation": evaluation, "history": history}
     directory = write_checkpoint(model, processor, config.out, {
         "subtask_in_action_prompt": config.subtask_in_action_prompt,
         "locate_prompt": LOCATE_PROMPT, "locate": config.locate, "approach_repeat": config.approach_repeat,
-        "training": {k: summary[k] for k in ("episodes", "train_samples", "parameters", "seconds",
+        "training": {k: summary[k] for k in ("episodes", "extra_episodes", "train_samples", "parameters", "seconds",
                                              "seconds_per_step", "final", "evaluation")}}, config.cameras)
     summary["checkpoint"] = str(directory)
     if history:
@@ -563,11 +569,23 @@ def train(config: TrainConfig) -> dict:
     return summary
 
 
+def _json_value(value):
+    """A :class:`TrainConfig` value as JSON holds it (paths as strings)."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return [_json_value(v) for v in value]
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser = argparse.ArgumentParser(prog="python -m oxygen_ros.training.train", description=__doc__.split("\n")[0])
     d = TrainConfig(data=Path("runs/demo-data"))
     parser.add_argument("--data", type=Path, default=d.data, help="episode directory (default runs/demo-data)")
     parser.add_argument("--out", type=Path, default=d.out, help="output directory (default runs/train-demo)")
+    parser.add_argument("--extra-data", type=Path, action="append", default=[], metavar="DIR",
+                        help="more episodes that only train, never held out (e.g. start frames, docs/demo-policy.md); "
+                             "repeatable (default none)")
     parser.add_argument("--preset", default=d.preset, help="model preset (default pi05_demo)")
     parser.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help=f"samples per step (default {d.batch_size})")
@@ -615,7 +633,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         if len(crops[-1]) != 5:
             parser.error(f"--crop {text!r}: expected CAMERA=TOP,LEFT,HEIGHT,WIDTH (four fractions)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    config = TrainConfig(data=args.data, out=args.out, preset=args.preset, steps=args.steps,
+    config = TrainConfig(data=args.data, out=args.out, extra_data=tuple(args.extra_data), preset=args.preset,
+                         steps=args.steps,
                          batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, text_weight=args.text_weight,
                          subtask_in_action_prompt=args.subtask_in_action_prompt, locate=args.locate,
                          approach_repeat=args.approach_repeat, image_stride=args.image_stride,
@@ -634,9 +653,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 def main(argv: list[str] | None = None) -> int:
     """Train and print where the checkpoint went, the final losses and the evaluation."""
     config = parse_args(argv)
-    if not any(Path(config.data).glob("episode_*.hdf5")):
-        raise SystemExit(f"no episodes (episode_*.hdf5) in {config.data}: generate them first (make demo-data, "
-                         "python -m oxygen_ros.tools.demo_data) or pass --data")
+    for directory in (config.data, *config.extra_data):
+        if not any(Path(directory).glob("episode_*.hdf5")):
+            raise SystemExit(f"no episodes (episode_*.hdf5) in {directory}: generate them first (make demo-data, "
+                             "python -m oxygen_ros.tools.demo_data) or pass --data / --extra-data")
     try:
         summary = train(config)
     except DataMismatchError as error:      # settings that do not fit the data (e.g. --val-episodes, --cameras)
