@@ -104,6 +104,10 @@ def test_the_bench_runs_end_to_end_at_tiny_dims(tmp_path, capsys):
     assert result["prefix"] == 256 + 4
     ceilings = result["ceilings"]
     assert ceilings["gemm_flop_per_s"] > 0 and min(ceilings["stream_bytes_per_s"].values()) > 0
+    # The GEMM ceiling is the faster route: torch.mm and, where oneDNN's linear ops exist, the prepacked one.
+    routes = ceilings["gemm_flop_per_s_by_route"]
+    assert set(routes) == ({"mm", "packed"} if cpu_fast_paths.packed_weights_available() else {"mm"})
+    assert ceilings["gemm_flop_per_s"] == max(routes.values())
     for row in result["phases"]:
         assert row["phase"] in printed
         assert row["flop"] > 0 and row["bytes"] > 0 and row["seconds"] > 0
