@@ -15,12 +15,18 @@ demo: setup
 	@$(WITH_ENV) python -m oxygen_ros.tools.demo $(DEMO_ARGS)
 
 # The demo policy (docs/demo-policy.md): scripted demonstrations in the simulator, then training π0.5 on
-# them. DATA_ARGS / TRAIN_ARGS pass options (e.g. DATA_ARGS="--episodes 4", TRAIN_ARGS="--steps 100").
+# them. DATA_ARGS / STARTS_ARGS / TRAIN_ARGS pass options (e.g. DATA_ARGS="--episodes 4", TRAIN_ARGS="--steps 100").
+# The shipped recipe: 100 DART demonstrations, 800 start frames (cube seeds 2000-2799, one image set each: only
+# the cameras can tell where the cube is there), the top camera cropped to the workspace.
 demo-data: setup
 	@$(WITH_ENV) python -m oxygen_ros.tools.demo_data --out runs/demo-data $(DATA_ARGS)
+	@$(WITH_ENV) python -m oxygen_ros.tools.demo_data --out runs/demo-starts --seed 2000 --episodes 800 \
+		--image-every 1000000 --perturb 0 $(STARTS_ARGS)
 
+TOP_CROP := top=0.35,0.35,0.466667,0.35
 train-demo: setup
-	@$(WITH_ENV) python -m oxygen_ros.training.train --data runs/demo-data --out runs/train-demo $(TRAIN_ARGS)
+	@$(WITH_ENV) python -m oxygen_ros.training.train --data runs/demo-data --extra-data runs/demo-starts \
+		--crop $(TOP_CROP) --out runs/train-demo $(TRAIN_ARGS)
 
 # Closed-loop evaluation of the trained policy (docs/demo-policy.md, "Closed-loop evaluation"): node on
 # simulated time, node in real time, synchronous, random weights, scripted expert; EVAL_ARGS passes options

@@ -17,18 +17,17 @@ import pytest
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
-SEED = 1008          # a cube pose of the evaluation's seeds (outside the training data's seeds 0..99)
+SEED = 1001          # a cube pose of the evaluation's seeds (outside the training data's seeds 0..99, 2000..2799)
 MAX_STEPS = 200      # 4 s of the 10.6 s episode
 EXECUTE_STEPS = 10
 # What the shipped policy reaches on SEED within MAX_STEPS in the synchronous lockstep schedule (measured).
 # A retrained policy behaves differently: re-measure and update (docs/demo-policy.md, "The shipped policy").
-# Measured on the shipped policy (trained with the cube-location target): on SEED the right grasp point comes
-# from 0.307 m to 3.1 cm of the cube by step 199 in this test's process, and to within the 3 cm of "reached" in
-# an evaluate run of the same episode — a margin of millimetres that threads and instruction sets can move, so
-# "reached" is not asserted, only what holds with margin: close to the cube, nothing grasped within 4 s. Over
-# 200-step sync episodes on seeds 1000-1009 it reached only on 1008 (whole episodes through the node:
-# docs/demo-policy.md).
-NOT_REACHED_IN_4_S = ("grasped", "lifted", "transferred")
+# Measured on the shipped policy (trained with start frames, 2026-12-02): on SEED the right grasp point comes
+# from 0.320 m to 0.9 cm of the cube (step 163) and the gripper grasps it; over 200-step sync episodes on seeds
+# 1000-1009 it reached on 1001, 1002, 1004 and 1007 (0.9-1.3 cm) and grasped on 1001. Asserted is what holds
+# with margin: reached (< 3 cm; measured 0.9) and nothing lifted within 4 s (the expert lifts from 3.3 s); the
+# grasp itself, a matter of finger contacts, is printed, not asserted.
+NOT_REACHED_IN_4_S = ("lifted", "transferred")
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +89,9 @@ def test_shipped_checkpoint_matches_its_recorded_conventions(evaluate, shipped):
     # Its config is the preset's with the shapes it records apart (image size): horizon 50 (1 s at 50 Hz),
     # 32 padded action dimensions.
     config = json.loads((directory / "oxygen_config.json").read_text())
-    preset = dataclasses.asdict(get_preset(info["preset"], **checkpoint_overrides(directory, info["preset"])))
+    # (compared as JSON holds them: the config's tuples, e.g. its image crops, are JSON lists)
+    preset = json.loads(json.dumps(dataclasses.asdict(get_preset(info["preset"],
+                                                                 **checkpoint_overrides(directory, info["preset"])))))
     assert {k: v for k, v in config.items() if k in preset} == {k: preset[k] for k in config if k in preset}
     assert (config["action_horizon"], config["action_dim"]) == (50, 32)
 
@@ -147,11 +148,11 @@ def test_seeded_sync_episode_on_the_shipped_weights_is_deterministic(evaluate, s
     spoken = [text.strip() for _, text in first["speech"]]
     print(f"seed {SEED}: outcome {outcome}, right grasp point to cube {distance[0]:.3f} -> min {distance.min():.3f} m "
           f"at step {int(distance.argmin())}, speech {spoken[:12]}, memory {[t for _, t in first['memory']][:6]}")
-    # The outcome the shipped policy reaches on this seed (measured; see SEED): no grasp within 4 s ...
+    # The outcome the shipped policy reaches on this seed (measured; see SEED): the right arm goes to the cube —
+    # the grasp point comes from ~0.32 m to ~1 cm of it (measured 0.009 m) — and nothing is lifted within 4 s.
+    assert outcome["reached"], outcome
+    assert distance[0] > 0.25 and distance.min() < 0.02, (distance[0], distance.min())
     assert not any(outcome[phase] for phase in NOT_REACHED_IN_4_S), outcome
-    # ... but the right arm goes to the cube: the grasp point comes from ~0.31 m to ~3 cm of it (measured 0.031 m),
-    # asserted with margin.
-    assert distance[0] > 0.25 and distance.min() < 0.06, (distance[0], distance.min())
     # Its first utterance is the subtask the task starts with; one utterance per frame, decoded to the end.
     assert len(spoken) == MAX_STEPS // EXECUTE_STEPS and spoken[0] == info["subtasks"][0], spoken
     assert len(first["memory"]) == MAX_STEPS // EXECUTE_STEPS
