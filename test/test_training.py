@@ -345,3 +345,7 @@ def test_extra_data_trains_and_is_never_held_out(dataset, tmp_path):
     assert recorded["training"]["extra_episodes"] == 1
     with pytest.raises(SystemExit, match="no episodes"):
         train.main(["--data", str(dataset), "--extra-data", str(tmp_path / "empty"), "--out", str(tmp_path / "o2")])
+    for twice in ([str(starts), str(starts)], [str(dataset)]):          # a directory counted twice: a usage error
+        with pytest.raises(SystemExit) as exit_info:
+            train.parse_args(["--data", str(dataset)] + [a for d in twice for a in ("--extra-data", d)])
+        assert exit_info.value.code == 2

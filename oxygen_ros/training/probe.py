@@ -46,6 +46,8 @@ from oxygen_ros.training.train import NORM_STATS_ASSET, Batches, build_processor
 # The right arm's first three joints in JOINTS order (gym-aloha: the left arm's 7 values, then the right's):
 # where the arm goes is mostly these.
 PROBED_JOINTS = ("right_arm_waist", "right_arm_shoulder", "right_arm_elbow")
+# Fewest seeds a probe takes: a spread and a correlation over two points say nothing (two points always correlate ±1).
+MIN_SEEDS = 3
 
 
 def _location(text: str) -> tuple[float, float]:
@@ -65,24 +67,37 @@ def probe(checkpoint: str | Path, seeds: list[int], device: str = "cpu", seed: i
     Returns:
         ``{"seeds": [...], "truth_cm": [[x, y], ...], "answer_cm": [[x, y], ...], "error_cm": [...],
         "mean_error_cm", "median_error_cm", "truth_std_cm": [x, y], "answer_std_cm": [x, y],
-        "unreadable": n, "chunk_end": {joint: {"corr", "rms_rad"}}}`` — NaN (JSON null) where undefined
-        (e.g. a correlation of answers that do not vary).
+        "unreadable": n, "chunk_end": {joint: {"corr", "rms_rad"}}}`` — NaN where undefined
+        (e.g. a correlation of answers that do not vary; ``--json`` prints null).
 
     Raises:
         FileNotFoundError: no ``demo_policy.json`` or norm statistics in ``checkpoint``.
-        ValueError: no seeds, or a checkpoint of another preset than its ``demo_policy.json`` names.
+        ValueError: fewer than :data:`MIN_SEEDS` seeds, a ``demo_policy.json`` that is not a JSON object naming
+            a preset, a checkpoint of another preset than it names, or weights that do not load.
     """
-    if not seeds:
-        raise ValueError("probe needs at least one seed")
+    if len(seeds) < MIN_SEEDS:
+        raise ValueError(f"probe needs at least {MIN_SEEDS} seeds (a correlation of two points is always ±1), "
+                         f"got {len(seeds)}")
     checkpoint = Path(checkpoint)
-    policy = read_policy_file(checkpoint)
-    if not policy:
+    policy_file = checkpoint / "demo_policy.json"
+    if not policy_file.is_file():
         raise FileNotFoundError(f"{checkpoint}: no demo_policy.json (not a demo trainer's checkpoint)")
+    try:
+        policy = read_policy_file(checkpoint)
+    except ValueError as error:                      # json.JSONDecodeError is a ValueError
+        raise ValueError(f"{policy_file}: not readable JSON ({error})") from None
+    if not isinstance(policy, dict) or not isinstance(policy.get("preset"), str):
+        raise ValueError(f"{policy_file}: expected a JSON object with a 'preset' name")
     preset = policy["preset"]
     config = get_preset(preset, **checkpoint_overrides(checkpoint, preset))
     cameras = tuple(policy_cameras(policy))
     stats = load_norm_stats(checkpoint / "assets" / NORM_STATS_ASSET / "norm_stats.json")
-    model = load_model(config, checkpoint, dtype="float32", device=device)
+    try:
+        model = load_model(config, checkpoint, dtype="float32", device=device)
+    except (FileNotFoundError, ValueError):
+        raise
+    except Exception as error:                       # e.g. a truncated safetensors file (SafetensorError)
+        raise ValueError(f"{checkpoint}: its weights do not load ({type(error).__name__}: {error})") from None
     processor = build_processor(config, stats, cameras)
     crops = {camera: tuple(crop[1:]) for crop in config.image_crops
              for camera, slot in policy_cameras(policy).items() if slot == crop[0]}
@@ -130,6 +145,17 @@ def probe(checkpoint: str | Path, seeds: list[int], device: str = "cpu", seed: i
             "unreadable": int((~readable).sum()), "chunk_end": chunk_end}
 
 
+def _nan_to_none(value):
+    """``value`` with every NaN float replaced by None (JSON has no NaN)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_to_none(v) for v in value]
+    return value
+
+
 def _corr(a: np.ndarray, b: np.ndarray) -> float:
     """Pearson correlation; NaN when either side does not vary (or fewer than 2 values)."""
     if len(a) < 2 or np.std(a) < 1e-12 or np.std(b) < 1e-12:
@@ -142,11 +168,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="a demo trainer's checkpoint directory (default: the shipped demo policy)")
     parser.add_argument("--start-seed", type=int, default=1000, help="first cube seed (default 1000)")
-    parser.add_argument("--seeds", type=int, default=30, help="how many seeds (default 30)")
+    parser.add_argument("--seeds", type=int, default=30, help=f"how many seeds, >= {MIN_SEEDS} (default 30)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
-    if args.seeds < 2:
-        parser.error(f"--seeds must be >= 2 (a spread and a correlation need two), got {args.seeds}")
+    if args.seeds < MIN_SEEDS:
+        parser.error(f"--seeds must be >= {MIN_SEEDS} (a correlation of two points is always ±1), got {args.seeds}")
     if args.start_seed < 0:
         parser.error(f"--start-seed must be >= 0, got {args.start_seed}")
     return args
@@ -160,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as error:
         raise SystemExit(f"probe: {error}") from None
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(_nan_to_none(result), indent=2, allow_nan=False))
         return 0
     for s, t, a, e in zip(result["seeds"], result["truth_cm"], result["answer_cm"], result["error_cm"]):
         print(f"seed {s}: cube at x {t[0]:.1f} y {t[1]:.1f} cm, answer x {a[0]:.0f} y {a[1]:.0f}, error {e:.1f} cm")

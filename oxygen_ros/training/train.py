@@ -121,6 +121,10 @@ class TrainConfig:
         for name in ("steps", "batch_size", "approach_repeat", "log_every", "image_stride"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        directories = [Path(d).resolve() for d in (self.data, *self.extra_data)]
+        if len(set(directories)) != len(directories):
+            raise ValueError(f"extra_data must name directories other than data and each other once, got data "
+                             f"{self.data} and extra_data {[str(d) for d in self.extra_data]}")
         unknown = [c for c in self.cameras if c not in CAMERA_SLOTS]
         if unknown or not self.cameras or len(set(self.cameras)) != len(self.cameras):
             raise ValueError(f"cameras must be distinct names of {tuple(CAMERA_SLOTS)}, got {tuple(self.cameras)}")
