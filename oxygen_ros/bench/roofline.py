@@ -427,7 +427,7 @@ def format_table(result: dict) -> str:
         f"{result['preset']} fp32, {result['cameras']} cameras, prefix {result['prefix']} tokens, S={result['steps']}, "
         f"batch {result['batch']}, {result['rounds']} rounds; {result['paths']}",
         f"ceilings: GEMM {ceil['gemm_flop_per_s'] / 1e9:.1f} GFLOP/s (n={ceil['gemm_n']}, the faster of "
-        + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in ceil.get("gemm_flop_per_s_by_route", {}).items())
+        + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in ceil["gemm_flop_per_s_by_route"].items())
         + "), stream "
         + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in ceil["stream_bytes_per_s"].items())
         + f" ({ceil['stream_mib']:g} MiB); balance {ceil['balance_flop_per_byte']:.1f} FLOP/B",

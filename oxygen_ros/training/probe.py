@@ -90,7 +90,8 @@ def probe(checkpoint: str | Path, seeds: list[int], device: str = "cpu", seed: i
         raise ValueError(f"{policy_file}: expected a JSON object with a 'preset' name")
     preset = policy["preset"]
     config = get_preset(preset, **checkpoint_overrides(checkpoint, preset))
-    cameras = tuple(policy_cameras(policy))
+    slots = policy_cameras(policy)                   # camera -> model slot, in slot order
+    cameras = tuple(slots)
     stats = load_norm_stats(checkpoint / "assets" / NORM_STATS_ASSET / "norm_stats.json")
     try:
         model = load_model(config, checkpoint, dtype="float32", device=device)
@@ -100,7 +101,7 @@ def probe(checkpoint: str | Path, seeds: list[int], device: str = "cpu", seed: i
         raise ValueError(f"{checkpoint}: its weights do not load ({type(error).__name__}: {error})") from None
     processor = build_processor(config, stats, cameras)
     crops = {camera: tuple(crop[1:]) for crop in config.image_crops
-             for camera, slot in policy_cameras(policy).items() if slot == crop[0]}
+             for camera, slot in slots.items() if slot == crop[0]}
     with tempfile.TemporaryDirectory() as tmp:
         files = []
         for s in seeds:       # the start frame only: one image step per episode
