@@ -349,3 +349,73 @@ def test_extra_data_trains_and_is_never_held_out(dataset, tmp_path):
         with pytest.raises(SystemExit) as exit_info:
             train.parse_args(["--data", str(dataset)] + [a for d in twice for a in ("--extra-data", d)])
         assert exit_info.value.code == 2
+
+
+def test_start_pose_samples_can_weigh_more_and_train_the_location_more_often(dataset):
+    """--start-repeat / --start-locate: the samples at step 0 (the start pose, the same state in every episode)
+    appear approach_repeat · start_repeat times per pass and draw the location target with their own
+    probability; the others are unchanged."""
+    from oxygen_ros.models import get_preset
+    from oxygen_ros.training.data import compute_norm_stats, episode_files, load_samples
+    from oxygen_ros.training.train import Batches, build_processor, training_pool
+
+    config = get_preset("pi05_demo", image_size=56)
+    samples = load_samples(episode_files(dataset), config.image_size, config.action_horizon)
+    # image_every 106 of 530 steps: steps 0, 106, 212, 318, 424 in each of the two episodes
+    assert samples.step.tolist() == [0, 106, 212, 318, 424] * 2
+    idx = np.arange(len(samples))
+    pool = training_pool(samples, idx, 2, 3).tolist()
+    for i in idx:
+        base = pool.count(i) if samples.step[i] else pool.count(i) // 3
+        assert base == training_pool(samples, idx, 2).tolist().count(i)
+        assert pool.count(i) == (6 if samples.step[i] == 0 else base)
+    with pytest.raises(ValueError, match="start_repeat"):
+        training_pool(samples, idx, 2, 0)
+
+    processor = build_processor(config, compute_norm_stats(samples))
+    batches = Batches(samples, processor, 0, 0.0, locate=0.0, start_locate=1.0)
+    np.testing.assert_array_equal(batches.locate_p, np.where(samples.step == 0, 1.0, 0.0))
+    prompts, targets, _ = batches.language(idx, np.random.default_rng(0))
+    for i in idx:
+        if samples.step[i] == 0:                 # the cube lies on the table at the start: always located
+            assert batches.locate_target[i] is not None and targets[i] == batches.locate_target[i]
+        else:
+            assert targets[i] in (batches.subtask_target[i], batches.caption_target[i])
+    # start_locate None: every sample at --locate's probability (the recipe before these options, draw for draw)
+    same = Batches(samples, processor, 0, 0.0, locate=0.25)
+    assert (same.locate_p == 0.25).all()
+
+
+def test_a_training_continues_from_a_checkpoint_with_its_weights_and_normalisation(dataset, tmp_path):
+    """--init-from: the weights start at the checkpoint's (not the seeded initialisation), its norm stats are
+    kept whatever the data, the record names where it started; a checkpoint of other model settings is refused."""
+    from oxygen_ros.models.checkpoint import read_state_dict
+    from oxygen_ros.models.config import load_norm_stats
+    from oxygen_ros.training import train
+
+    first = train.train(_config(dataset, tmp_path / "a", eval_samples=0, image_size=56))
+    source = tmp_path / "a" / "checkpoint"
+    # a continued run of 0 learning: lr tiny, so its weights stay the source's to float precision
+    continued = train.train(_config(dataset, tmp_path / "b", eval_samples=0, image_size=56, init_from=source,
+                                    steps=1, lr=1e-12, start_repeat=2, start_locate=1.0))
+    before, after = read_state_dict(source), read_state_dict(tmp_path / "b" / "checkpoint")
+    assert before.keys() == after.keys()
+    assert all(torch.allclose(before[k], after[k], atol=1e-6) for k in before)
+    assert continued["history"][0]["loss"] != first["history"][0]["loss"]     # it started elsewhere than step 0
+    for name in ("state", "actions"):
+        a = load_norm_stats(source / "assets" / "aloha_sim" / "norm_stats.json")[name]
+        b = load_norm_stats(tmp_path / "b" / "checkpoint" / "assets" / "aloha_sim" / "norm_stats.json")[name]
+        np.testing.assert_array_equal(a.q01, b.q01)
+        np.testing.assert_array_equal(a.q99, b.q99)
+    recorded = json.loads((tmp_path / "b" / "checkpoint" / "demo_policy.json").read_text())
+    assert recorded["training"]["init_from"]["checkpoint"] == str(source)
+    assert recorded["training"]["init_from"]["training"]["init_from"] is None       # the source started fresh
+    assert recorded["start_repeat"] == 2 and recorded["start_locate"] == 1.0
+
+    with pytest.raises(ValueError, match="image_size"):          # the source is at 56 px, this training at 112
+        train.train(_config(dataset, tmp_path / "c", init_from=source))
+    with pytest.raises(ValueError, match="model.safetensors"):
+        train.train(_config(dataset, tmp_path / "c", init_from=tmp_path / "nothing"))
+    with pytest.raises(SystemExit) as exit_info:                 # the command line: a usage error, no traceback
+        train.parse_args(["--data", str(dataset), "--init-from", str(source)])
+    assert exit_info.value.code == 2

@@ -51,6 +51,8 @@ class DemoSamples:
         cube_start: float64 ``[N, 3]`` the cube's start position in the world frame [m] (its episode's
             ``/cube_start``; where the cube still is while the caption says it lies on the table).
         episode: int64 ``[N]`` index of each sample's episode (in ``files`` order).
+        step: int64 ``[N]`` each sample's control step in its episode (0: the start pose, where the state is
+            the same in every episode and only the images say where the cube is).
         files: the episode files read.
         all_states, all_actions: float64 ``[M, 14]`` every step of every episode (for statistics).
     """
@@ -62,6 +64,7 @@ class DemoSamples:
     caption: list[str]
     cube_start: np.ndarray
     episode: np.ndarray
+    step: np.ndarray
     files: list[Path]
     all_states: np.ndarray
     all_actions: np.ndarray
@@ -108,7 +111,7 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
     unknown = [c for c in cameras if c not in CAMERAS]
     if unknown or not cameras:
         raise ValueError(f"cameras must be a non-empty subset of {CAMERAS}, got {tuple(cameras)}")
-    pixels, state, actions, subtask, caption, episode, cube = [], [], [], [], [], [], []
+    pixels, state, actions, subtask, caption, episode, cube, step = [], [], [], [], [], [], [], []
     all_states, all_actions = [], []
     for index, path in enumerate(files):
         ep = read_episode(path)
@@ -140,10 +143,11 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
             caption.append(ep.caption[s])
             cube.append(np.asarray(ep.cube_start, np.float64)[:3])
             episode.append(index)
+            step.append(int(s))
     return DemoSamples(pixels=np.concatenate(pixels), state=np.stack(state), actions=np.stack(actions),
                        subtask=np.asarray(subtask, np.int64), caption=caption,
                        cube_start=np.asarray(cube, np.float64).reshape(-1, 3),
-                       episode=np.asarray(episode, np.int64), files=list(files),
+                       episode=np.asarray(episode, np.int64), step=np.asarray(step, np.int64), files=list(files),
                        all_states=np.concatenate(all_states), all_actions=np.concatenate(all_actions))
 
 

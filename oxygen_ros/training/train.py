@@ -53,8 +53,8 @@ from oxygen_ros.assets import in_slot_order
 from oxygen_ros.engine.model_io import ProcessorIO
 from oxygen_ros.models import RobotConfig, get_preset, load_model
 from oxygen_ros.models.reference import joint_forward, reference_actions, reference_generate
-from oxygen_ros.models.checkpoint import save_checkpoint
-from oxygen_ros.models.config import VLAConfig, check_image_crop, save_norm_stats
+from oxygen_ros.models.checkpoint import checkpoint_overrides, save_checkpoint
+from oxygen_ros.models.config import VLAConfig, check_image_crop, load_norm_stats, save_norm_stats
 from oxygen_ros.models.conventions import Conventions, variant_defaults
 from oxygen_ros.models.gemma import AdaRMSNorm, RMSNorm
 from oxygen_ros.models.processing import Processor, pad_to
@@ -94,7 +94,10 @@ class TrainConfig:
     text_weight: float = 1.0
     subtask_in_action_prompt: float = 0.5
     locate: float = 1.0 / 3.0
+    start_locate: float | None = None
     approach_repeat: int = 2
+    start_repeat: int = 1
+    init_from: Path | None = None
     image_stride: int = 1
     cameras: tuple[str, ...] = tuple(CAMERA_SLOTS)
     image_size: int = 0
@@ -116,9 +119,11 @@ class TrainConfig:
         """Raise ValueError naming the first setting out of its range (what does not depend on the data)."""
         if not 0.0 <= self.locate <= 1.0:
             raise ValueError(f"locate must be in [0, 1], got {self.locate}")
+        if self.start_locate is not None and not 0.0 <= self.start_locate <= 1.0:
+            raise ValueError(f"start_locate must be in [0, 1], got {self.start_locate}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
-        for name in ("steps", "batch_size", "approach_repeat", "log_every", "image_stride"):
+        for name in ("steps", "batch_size", "approach_repeat", "start_repeat", "log_every", "image_stride"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         directories = [Path(d).resolve() for d in (self.data, *self.extra_data)]
@@ -140,7 +145,29 @@ class TrainConfig:
         for name in ("val_episodes", "eval_samples", "warmup", "save_every", "image_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        self.model_config()
+        model_config = self.model_config()
+        if self.init_from is not None:
+            self.check_init_from(model_config)
+
+    def check_init_from(self, model_config: VLAConfig) -> None:
+        """Raise ValueError unless :attr:`init_from` is a checkpoint directory of this training's preset with the
+        same model settings (image size, crops) and normalisation statistics to keep."""
+        directory = Path(self.init_from)
+        if not (directory / "model.safetensors").is_file():
+            raise ValueError(f"init_from must be a checkpoint directory with model.safetensors (e.g. "
+                             f"runs/train-demo/checkpoint), got {directory}")
+        if not (directory / "assets" / NORM_STATS_ASSET / "norm_stats.json").is_file():
+            raise ValueError(f"init_from {directory} has no assets/{NORM_STATS_ASSET}/norm_stats.json: a training "
+                             "continued from it keeps its normalisation")
+        recorded = checkpoint_overrides(directory, self.preset)     # (ValueError for another preset)
+        base = get_preset(self.preset)
+        wanted = {f.name: getattr(model_config, f.name) for f in dataclasses.fields(model_config)
+                  if getattr(model_config, f.name) != getattr(base, f.name) and f.name not in ("name", "dtype", "seed")}
+        if recorded != wanted:
+            differ = sorted(k for k in set(recorded) | set(wanted) if recorded.get(k) != wanted.get(k))
+            raise ValueError(f"init_from {directory} was trained with other model settings {differ} (its "
+                             f"{ {k: recorded.get(k) for k in differ} } against this training's "
+                             f"{ {k: wanted.get(k) for k in differ} }): pass the same --image-size and --crop")
 
     def model_config(self) -> VLAConfig:
         """The preset with this training's image size and crops (``crops`` keyed by camera → the model's slots);
@@ -193,16 +220,21 @@ def locate_target(cube: np.ndarray) -> str:
     return f"x {int(round(float(cube[0]) * 100))} y {int(round(float(cube[1]) * 100))}"
 
 
-def training_pool(samples: DemoSamples, pool: np.ndarray, approach_repeat: int) -> np.ndarray:
-    """``pool`` with the samples of :data:`APPROACH_SUBTASKS` repeated ``approach_repeat`` times in all.
+def training_pool(samples: DemoSamples, pool: np.ndarray, approach_repeat: int, start_repeat: int = 1
+                  ) -> np.ndarray:
+    """``pool`` with the samples of :data:`APPROACH_SUBTASKS` repeated ``approach_repeat`` times in all, then the
+    start-pose samples (``samples.step`` 0) of that pool ``start_repeat`` times as often (each start sample is also a
+    reaching one, so it appears ``approach_repeat · start_repeat`` times).
 
     Raises:
-        ValueError: ``approach_repeat`` < 1.
+        ValueError: ``approach_repeat`` or ``start_repeat`` < 1.
     """
-    if approach_repeat < 1:
-        raise ValueError(f"approach_repeat must be >= 1, got {approach_repeat}")
+    if approach_repeat < 1 or start_repeat < 1:
+        raise ValueError(f"approach_repeat and start_repeat must be >= 1, got {approach_repeat}, {start_repeat}")
     approach = pool[np.isin(samples.subtask[pool], APPROACH_SUBTASKS)]
-    return np.concatenate([pool] + [approach] * (approach_repeat - 1))
+    repeated = np.concatenate([pool] + [approach] * (approach_repeat - 1))
+    starts = repeated[samples.step[repeated] == 0]
+    return np.concatenate([repeated] + [starts] * (start_repeat - 1))
 
 
 class Batches:
@@ -213,7 +245,7 @@ class Batches:
     """
 
     def __init__(self, samples: DemoSamples, processor: Processor, seed: int, subtask_in_action_prompt: float,
-                 locate: float = 0.0):
+                 locate: float = 0.0, start_locate: float | None = None):
         self.samples = samples
         self.processor = processor
         mp = ProcessorIO(processor)
@@ -234,6 +266,10 @@ class Batches:
         self.subtask_target = [tokenizer.encode(SUBTASKS[k]) + [eos] for k in samples.subtask]
         self.caption_target = [tokenizer.encode(c) + [eos] for c in samples.caption]
         self.locate = locate
+        # per sample: the probability of the location target (start-pose samples: start_locate when given)
+        self.locate_p = np.full(n, locate)
+        if start_locate is not None:
+            self.locate_p[samples.step == 0] = start_locate
         self.locate_prompt = [mp.prompt_ids(LOCATE_PROMPT, INSTRUCTION, s) for s in samples.state]
         self.locate_text = [locate_target(c) if cap.startswith(ON_TABLE_CAPTION) else None
                             for c, cap in zip(samples.cube_start, samples.caption)]
@@ -264,10 +300,11 @@ class Batches:
 
     def language(self, idx: np.ndarray, rng: np.random.Generator) -> tuple[list[list[int]], list[list[int]], list[bool]]:
         """Per sample: the prompt, the target tokens and whether it is the subtask (else the caption or,
-        where the cube lies on the table, with probability ``locate`` the cube's location)."""
+        where the cube lies on the table, with probability ``locate`` — ``start_locate`` at the start pose — the
+        cube's location)."""
         prompts, targets, is_subtask = [], [], []
         for i in idx:
-            if self.locate_target[i] is not None and rng.random() < self.locate:
+            if self.locate_target[i] is not None and rng.random() < self.locate_p[i]:
                 prompts.append(self.locate_prompt[i])
                 targets.append(self.locate_target[i])
                 is_subtask.append(False)
@@ -493,16 +530,21 @@ def train(config: TrainConfig) -> dict:
     model_config = config.model_config()
     samples = load_samples(files, model_config.image_size, model_config.action_horizon, every=config.image_stride,
                            cameras=config.cameras, crops={c[0]: tuple(c[1:]) for c in config.crops})
-    stats = compute_norm_stats(samples)
+    # Continued from a checkpoint: its normalisation stays (the weights were fitted to it).
+    stats = (compute_norm_stats(samples) if config.init_from is None
+             else load_norm_stats(Path(config.init_from) / "assets" / NORM_STATS_ASSET / "norm_stats.json"))
     processor = build_processor(model_config, stats, config.cameras)
-    batches = Batches(samples, processor, config.seed, config.subtask_in_action_prompt, config.locate)
+    batches = Batches(samples, processor, config.seed, config.subtask_in_action_prompt, config.locate,
+                      config.start_locate)
     val_files = set(range(len(files) - config.val_episodes, len(files)))
     is_val = np.isin(samples.episode, list(val_files))
     train_pool, val_pool = np.flatnonzero(~is_val), np.flatnonzero(is_val)
-    sampled_pool = training_pool(samples, train_pool, config.approach_repeat)
+    sampled_pool = training_pool(samples, train_pool, config.approach_repeat, config.start_repeat)
 
-    model = load_model(model_config, None, dtype="float32", device=config.device, seed=config.seed)
-    init_training_weights(model, config.seed)
+    model = load_model(model_config, config.init_from, dtype="float32", device=config.device, seed=config.seed)
+    if config.init_from is None:
+        init_training_weights(model, config.seed)
+    init_training = _training_facts(config.init_from)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -557,20 +599,39 @@ def train(config: TrainConfig) -> dict:
     summary = {
         "config": {k: _json_value(v) for k, v in dataclasses.asdict(config).items()},
         "episodes": len(files), "extra_episodes": len(extra), "train_samples": int(len(train_pool)),
-        "validation_samples": int(len(val_pool)),
+        "validation_samples": int(len(val_pool)), "start_samples": int(np.sum(samples.step[train_pool] == 0)),
+        "init_from": init_training,
         "parameters": int(sum(p.numel() for p in model.parameters())),
         "seconds": round(seconds, 1), "seconds_per_step": round(seconds / max(1, config.steps), 4),
         "final": history[-1] if history else None, "evaluation": evaluation, "history": history}
     directory = write_checkpoint(model, processor, config.out, {
         "subtask_in_action_prompt": config.subtask_in_action_prompt,
-        "locate_prompt": LOCATE_PROMPT, "locate": config.locate, "approach_repeat": config.approach_repeat,
-        "training": {k: summary[k] for k in ("episodes", "extra_episodes", "train_samples", "parameters", "seconds",
-                                             "seconds_per_step", "final", "evaluation")}}, config.cameras)
+        "locate_prompt": LOCATE_PROMPT, "locate": config.locate, "start_locate": config.start_locate,
+        "approach_repeat": config.approach_repeat, "start_repeat": config.start_repeat,
+        "training": {k: summary[k] for k in ("episodes", "extra_episodes", "train_samples", "start_samples",
+                                             "init_from", "parameters", "seconds", "seconds_per_step", "final",
+                                             "evaluation")}}, config.cameras)
     summary["checkpoint"] = str(directory)
     if history:
         plot_losses(history, config.out / "loss_curve.png")
     (config.out / "train_log.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _training_facts(checkpoint: Path | None) -> dict | None:
+    """What a continued training started from: the checkpoint's path and its ``demo_policy.json`` record (its
+    settings and its own ``training`` facts, which name where *it* started), or None for a fresh start."""
+    if checkpoint is None:
+        return None
+    facts = {"checkpoint": str(checkpoint)}
+    try:
+        policy = json.loads((Path(checkpoint) / "demo_policy.json").read_text())
+    except (OSError, ValueError):
+        return facts                          # a checkpoint without (readable) demo_policy.json: the path only
+    if isinstance(policy, dict):
+        facts.update({k: policy[k] for k in ("locate", "start_locate", "approach_repeat", "start_repeat",
+                                             "subtask_in_action_prompt", "training") if k in policy})
+    return facts
 
 
 def _json_value(value):
@@ -603,8 +664,16 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--locate", type=float, default=d.locate,
                         help="probability that a sample whose cube lies on the table trains the cube's location "
                              "text instead of the subtask or caption (default 1/3; 0: off)")
+    parser.add_argument("--start-locate", type=float, default=None,
+                        help="the same probability for start-pose samples (step 0: the state is the same in every "
+                             "episode, only the image says where the cube is; default: --locate's)")
     parser.add_argument("--approach-repeat", type=int, default=d.approach_repeat,
                         help="times each reaching/grasping sample appears per pass (default 2; 1: uniform)")
+    parser.add_argument("--start-repeat", type=int, default=d.start_repeat,
+                        help="start-pose samples appear this many times as often again (default 1)")
+    parser.add_argument("--init-from", type=Path, default=None, metavar="CHECKPOINT",
+                        help="continue training from this checkpoint directory's weights and normalisation "
+                             "statistics (same preset, --image-size and --crop; default: a fresh start)")
     parser.add_argument("--image-stride", type=int, default=d.image_stride,
                         help="use every N-th rendered image step (default 1: all)")
     parser.add_argument("--cameras", default=",".join(d.cameras),
@@ -641,7 +710,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                          steps=args.steps,
                          batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, text_weight=args.text_weight,
                          subtask_in_action_prompt=args.subtask_in_action_prompt, locate=args.locate,
-                         approach_repeat=args.approach_repeat, image_stride=args.image_stride,
+                         start_locate=args.start_locate, approach_repeat=args.approach_repeat,
+                         start_repeat=args.start_repeat, init_from=args.init_from, image_stride=args.image_stride,
                          cameras=tuple(c.strip() for c in args.cameras.split(",") if c.strip()),
                          image_size=args.image_size, crops=tuple(crops),
                          val_episodes=args.val_episodes, eval_samples=args.eval_samples, seed=args.seed,
