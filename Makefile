@@ -15,7 +15,8 @@ demo: setup
 	@$(WITH_ENV) python -m oxygen_ros.tools.demo $(DEMO_ARGS)
 
 # The demo policy (docs/demo-policy.md): scripted demonstrations in the simulator, then training π0.5 on
-# them. DATA_ARGS / STARTS_ARGS / TRAIN_ARGS pass options (e.g. DATA_ARGS="--episodes 4", TRAIN_ARGS="--steps 100").
+# them. DATA_ARGS / STARTS_ARGS / TRAIN_ARGS / FINETUNE_ARGS pass options (e.g. DATA_ARGS="--episodes 4",
+# TRAIN_ARGS="--steps 100" FINETUNE_ARGS="--steps 50").
 # The shipped recipe: 100 DART demonstrations, 800 start frames (cube seeds 2000-2799, one image set each: only
 # the cameras can tell where the cube is there), the top camera cropped to the workspace.
 demo-data: setup
@@ -23,10 +24,20 @@ demo-data: setup
 	@$(WITH_ENV) python -m oxygen_ros.tools.demo_data --out runs/demo-starts --seed 2000 --episodes 800 \
 		--image-every 1000000 --perturb 0 $(STARTS_ARGS)
 
+# Training in stages: a fresh start (runs/train-demo-base, 5000 steps), then FINETUNE_STAGES continued runs
+# (--init-from the stage before) that weigh the start frames and their location target more; the last writes
+# runs/train-demo. TRAIN_ARGS goes to the first stage, FINETUNE_ARGS to the continued ones.
 TOP_CROP := top=0.35,0.35,0.466667,0.35
+TRAIN_DATA := --data runs/demo-data --extra-data runs/demo-starts --crop $(TOP_CROP)
+FINETUNE := --start-repeat 3 --start-locate 0.75 --lr 3e-4 --warmup 50 --steps 2500
+FINETUNE_STAGES ?= 2
 train-demo: setup
-	@$(WITH_ENV) python -m oxygen_ros.training.train --data runs/demo-data --extra-data runs/demo-starts \
-		--crop $(TOP_CROP) --out runs/train-demo $(TRAIN_ARGS)
+	@$(WITH_ENV) python -m oxygen_ros.training.train $(TRAIN_DATA) --out runs/train-demo-base $(TRAIN_ARGS)
+	@$(WITH_ENV) prev=runs/train-demo-base; for stage in $$(seq 1 $(FINETUNE_STAGES)); do \
+		out=runs/train-demo-stage$$stage; if [ $$stage = $(FINETUNE_STAGES) ]; then out=runs/train-demo; fi; \
+		echo "[train-demo] stage $$stage: $$prev -> $$out"; \
+		python -m oxygen_ros.training.train $(TRAIN_DATA) --init-from $$prev/checkpoint $(FINETUNE) \
+			--out $$out $(FINETUNE_ARGS) || exit 1; prev=$$out; done
 
 # Closed-loop evaluation of the trained policy (docs/demo-policy.md, "Closed-loop evaluation"): node on
 # simulated time, node in real time, synchronous, random weights, scripted expert; EVAL_ARGS passes options

@@ -327,6 +327,23 @@ def test_main_with_settings_that_do_not_fit_the_data_ends_with_a_message(dataset
         train.main(["--data", str(dataset), "--out", str(tmp_path / "out"), "--steps", "1", "--val-episodes", "2"])
     with pytest.raises(DataMismatchError, match="cannot hold"):
         train.train(_config(dataset, tmp_path / "out", val_episodes=2))
+    # a truncated episode file (an interrupted copy) and a foreign HDF5 file: named, not an h5py traceback
+    import shutil
+
+    import h5py
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in sorted(dataset.glob("episode_*.hdf5")):
+        shutil.copy(f, broken / f.name)
+    data = (broken / "episode_1.hdf5").read_bytes()
+    (broken / "episode_1.hdf5").write_bytes(data[:len(data) // 3])
+    with pytest.raises(SystemExit, match="episode_1.hdf5: not a readable demo episode"):
+        train.main(["--data", str(broken), "--out", str(tmp_path / "out"), "--steps", "1", "--val-episodes", "1"])
+    with h5py.File(broken / "episode_1.hdf5", "w") as f:
+        f["something"] = np.zeros(3)
+    with pytest.raises(SystemExit, match="episode_1.hdf5: not a readable demo episode"):
+        train.main(["--data", str(broken), "--out", str(tmp_path / "out"), "--steps", "1", "--val-episodes", "1"])
 
 
 def test_extra_data_trains_and_is_never_held_out(dataset, tmp_path):

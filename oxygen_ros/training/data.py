@@ -105,8 +105,8 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
 
     Raises:
         ValueError: an unknown camera.
-        DataMismatchError: an episode without one of ``cameras`` or without images, or a crop that covers no pixel
-            of its frames.
+        DataMismatchError: a file that is not a readable episode (truncated, another HDF5 layout), an episode
+            without one of ``cameras`` or without images, or a crop that covers no pixel of its frames.
     """
     unknown = [c for c in cameras if c not in CAMERAS]
     if unknown or not cameras:
@@ -114,7 +114,13 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
     pixels, state, actions, subtask, caption, episode, cube, step = [], [], [], [], [], [], [], []
     all_states, all_actions = [], []
     for index, path in enumerate(files):
-        ep = read_episode(path)
+        try:
+            ep = read_episode(path)
+        except FileNotFoundError:
+            raise
+        except (OSError, KeyError, ValueError) as error:    # truncated or foreign HDF5, a dataset missing
+            raise DataMismatchError(f"{path}: not a readable demo episode ({type(error).__name__}: {error}); "
+                                    "regenerate it (python -m oxygen_ros.tools.demo_data) or remove it") from None
         missing = [c for c in cameras if c not in ep.images]
         if missing or len(ep.image_steps) == 0:
             raise DataMismatchError(f"{path}: cameras {missing} missing or no image rendered")
