@@ -26,15 +26,18 @@ demo-data: setup
 
 # Training in stages: a fresh start (runs/train-demo-base, 5000 steps), then FINETUNE_STAGES continued runs
 # (--init-from the stage before) that weigh the start frames and their location target more; the last writes
-# runs/train-demo. TRAIN_ARGS goes to the first stage, FINETUNE_ARGS to the continued ones.
+# runs/train-demo. TRAIN_ARGS goes to the first stage, FINETUNE_ARGS to the continued ones (a continued stage
+# must have the base's model settings: pass --image-size / --crop / --cameras changes through TRAIN_DATA).
 TOP_CROP := top=0.35,0.35,0.466667,0.35
 TRAIN_DATA := --data runs/demo-data --extra-data runs/demo-starts --crop $(TOP_CROP)
 FINETUNE := --start-repeat 3 --start-locate 0.75 --lr 3e-4 --warmup 50 --steps 2500
 FINETUNE_STAGES ?= 2
+# FINETUNE_STAGES=0: the base alone, written to runs/train-demo
+BASE_OUT = $(if $(filter 0,$(FINETUNE_STAGES)),runs/train-demo,runs/train-demo-base)
 train-demo: setup
-	@$(WITH_ENV) python -m oxygen_ros.training.train $(TRAIN_DATA) --out runs/train-demo-base $(TRAIN_ARGS)
-	@$(WITH_ENV) prev=runs/train-demo-base; for stage in $$(seq 1 $(FINETUNE_STAGES)); do \
-		out=runs/train-demo-stage$$stage; if [ $$stage = $(FINETUNE_STAGES) ]; then out=runs/train-demo; fi; \
+	@$(WITH_ENV) python -m oxygen_ros.training.train $(TRAIN_DATA) --out $(BASE_OUT) $(TRAIN_ARGS)
+	@$(WITH_ENV) prev=$(BASE_OUT) && for stage in $$(seq 1 $(FINETUNE_STAGES)); do \
+		out=runs/train-demo-stage$$stage; if [ $$stage -eq $(FINETUNE_STAGES) ]; then out=runs/train-demo; fi; \
 		echo "[train-demo] stage $$stage: $$prev -> $$out"; \
 		python -m oxygen_ros.training.train $(TRAIN_DATA) --init-from $$prev/checkpoint $(FINETUNE) \
 			--out $$out $(FINETUNE_ARGS) || exit 1; prev=$$out; done

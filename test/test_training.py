@@ -431,6 +431,8 @@ def test_a_training_continues_from_a_checkpoint_with_its_weights_and_normalisati
 
     with pytest.raises(ValueError, match="image_size"):          # the source is at 56 px, this training at 112
         train.train(_config(dataset, tmp_path / "c", init_from=source))
+    with pytest.raises(ValueError, match="cameras"):              # the source saw all three cameras
+        train.train(_config(dataset, tmp_path / "c", init_from=source, image_size=56, cameras=("top",)))
     with pytest.raises(ValueError, match="model.safetensors"):
         train.train(_config(dataset, tmp_path / "c", init_from=tmp_path / "nothing"))
     with pytest.raises(SystemExit) as exit_info:                 # the command line: a usage error, no traceback

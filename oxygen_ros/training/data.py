@@ -118,7 +118,7 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
             ep = read_episode(path)
         except FileNotFoundError:
             raise
-        except (OSError, KeyError, ValueError) as error:    # truncated or foreign HDF5, a dataset missing
+        except (OSError, KeyError, ValueError, TypeError, IndexError) as error:   # truncated or foreign HDF5
             raise DataMismatchError(f"{path}: not a readable demo episode ({type(error).__name__}: {error}); "
                                     "regenerate it (python -m oxygen_ros.tools.demo_data) or remove it") from None
         missing = [c for c in cameras if c not in ep.images]

@@ -151,7 +151,8 @@ class TrainConfig:
 
     def check_init_from(self, model_config: VLAConfig) -> None:
         """Raise ValueError unless :attr:`init_from` is a checkpoint directory of this training's preset with the
-        same model settings (image size, crops) and normalisation statistics to keep."""
+        same model settings (image size, crops), the same cameras (its ``demo_policy.json``) and normalisation
+        statistics to keep."""
         directory = Path(self.init_from)
         if not (directory / "model.safetensors").is_file():
             raise ValueError(f"init_from must be a checkpoint directory with model.safetensors (e.g. "
@@ -163,6 +164,13 @@ class TrainConfig:
         base = get_preset(self.preset)
         wanted = {f.name: getattr(model_config, f.name) for f in dataclasses.fields(model_config)
                   if getattr(model_config, f.name) != getattr(base, f.name) and f.name not in ("name", "dtype", "seed")}
+        try:
+            trained_cameras = json.loads((directory / "demo_policy.json").read_text()).get("cameras")
+        except (OSError, ValueError, AttributeError):
+            trained_cameras = None                        # no (readable) record: the model settings decide
+        if isinstance(trained_cameras, dict) and tuple(trained_cameras) != tuple(self.cameras):
+            raise ValueError(f"init_from {directory} was trained on cameras {','.join(trained_cameras)}, this training "
+                             f"on {','.join(self.cameras)}: pass the same --cameras")
         if recorded != wanted:
             differ = sorted(k for k in set(recorded) | set(wanted) if recorded.get(k) != wanted.get(k))
             raise ValueError(f"init_from {directory} was trained with other model settings {differ} (its "
@@ -670,10 +678,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--approach-repeat", type=int, default=d.approach_repeat,
                         help="times each reaching/grasping sample appears per pass (default 2; 1: uniform)")
     parser.add_argument("--start-repeat", type=int, default=d.start_repeat,
-                        help="start-pose samples appear this many times as often again (default 1)")
+                        help="start-pose samples appear this many times as often in all (default 1: unchanged)")
     parser.add_argument("--init-from", type=Path, default=None, metavar="CHECKPOINT",
                         help="continue training from this checkpoint directory's weights and normalisation "
-                             "statistics (same preset, --image-size and --crop; default: a fresh start)")
+                             "statistics (same preset, --image-size, --crop and --cameras; default: a fresh start)")
     parser.add_argument("--image-stride", type=int, default=d.image_stride,
                         help="use every N-th rendered image step (default 1: all)")
     parser.add_argument("--cameras", default=",".join(d.cameras),
