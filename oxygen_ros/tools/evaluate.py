@@ -889,9 +889,9 @@ def node_parameters(condition: str, args, checkpoint: str) -> dict:
     if condition == "random":
         params["checkpoint"] = ""
         if checkpoint and not params.get("norm_stats_path"):
-            from oxygen_ros.training.train import NORM_STATS_ASSET
+            from oxygen_ros.training.train import norm_stats_file
 
-            stats = Path(checkpoint) / "assets" / NORM_STATS_ASSET / "norm_stats.json"
+            stats = norm_stats_file(checkpoint)
             if stats.is_file():
                 params["norm_stats_path"] = str(stats)
     return params

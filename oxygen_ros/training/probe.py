@@ -41,7 +41,7 @@ from oxygen_ros.models.config import load_norm_stats
 from oxygen_ros.models.reference import reference_actions
 from oxygen_ros.tools.demo_data import JOINTS, generate_episode, write_episode
 from oxygen_ros.training.data import load_samples
-from oxygen_ros.training.train import NORM_STATS_ASSET, Batches, build_processor, greedy_text
+from oxygen_ros.training.train import Batches, build_processor, greedy_text, norm_stats_file
 
 # The right arm's first three joints in JOINTS order (gym-aloha: the left arm's 7 values, then the right's):
 # where the arm goes is mostly these.
@@ -92,7 +92,7 @@ def probe(checkpoint: str | Path, seeds: list[int], device: str = "cpu", seed: i
     config = get_preset(preset, **checkpoint_overrides(checkpoint, preset))
     slots = policy_cameras(policy)                   # camera -> model slot, in slot order
     cameras = tuple(slots)
-    stats = load_norm_stats(checkpoint / "assets" / NORM_STATS_ASSET / "norm_stats.json")
+    stats = load_norm_stats(norm_stats_file(checkpoint))
     try:
         model = load_model(config, checkpoint, dtype="float32", device=device)
     except (FileNotFoundError, ValueError):

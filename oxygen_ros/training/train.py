@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from oxygen_ros.assets import in_slot_order
+from oxygen_ros.assets import in_slot_order, read_policy_file
 from oxygen_ros.engine.model_io import ProcessorIO
 from oxygen_ros.models import RobotConfig, get_preset, load_model
 from oxygen_ros.models.reference import joint_forward, reference_actions, reference_generate
@@ -157,25 +157,21 @@ class TrainConfig:
         if not (directory / "model.safetensors").is_file():
             raise ValueError(f"init_from must be a checkpoint directory with model.safetensors (e.g. "
                              f"runs/train-demo/checkpoint), got {directory}")
-        if not (directory / "assets" / NORM_STATS_ASSET / "norm_stats.json").is_file():
+        if not norm_stats_file(directory).is_file():
             raise ValueError(f"init_from {directory} has no assets/{NORM_STATS_ASSET}/norm_stats.json: a training "
                              "continued from it keeps its normalisation")
-        recorded = checkpoint_overrides(directory, self.preset)     # (ValueError for another preset)
-        base = get_preset(self.preset)
-        wanted = {f.name: getattr(model_config, f.name) for f in dataclasses.fields(model_config)
-                  if getattr(model_config, f.name) != getattr(base, f.name) and f.name not in ("name", "dtype", "seed")}
-        try:
-            trained_cameras = json.loads((directory / "demo_policy.json").read_text()).get("cameras")
-        except (OSError, ValueError, AttributeError):
-            trained_cameras = None                        # no (readable) record: the model settings decide
+        # the model the loader builds for it (ValueError for another preset) against the one this training builds
+        trained = get_preset(self.preset, **checkpoint_overrides(directory, self.preset))
+        trained_cameras = _policy_record(directory).get("cameras")
         if isinstance(trained_cameras, dict) and tuple(trained_cameras) != tuple(self.cameras):
             raise ValueError(f"init_from {directory} was trained on cameras {','.join(trained_cameras)}, this training "
                              f"on {','.join(self.cameras)}: pass the same --cameras")
-        if recorded != wanted:
-            differ = sorted(k for k in set(recorded) | set(wanted) if recorded.get(k) != wanted.get(k))
+        differ = [f.name for f in dataclasses.fields(model_config)
+                  if getattr(trained, f.name) != getattr(model_config, f.name)]
+        if differ:
             raise ValueError(f"init_from {directory} was trained with other model settings {differ} (its "
-                             f"{ {k: recorded.get(k) for k in differ} } against this training's "
-                             f"{ {k: wanted.get(k) for k in differ} }): pass the same --image-size and --crop")
+                             f"{ {k: getattr(trained, k) for k in differ} } against this training's "
+                             f"{ {k: getattr(model_config, k) for k in differ} }): pass the same --image-size and --crop")
 
     def model_config(self) -> VLAConfig:
         """The preset with this training's image size and crops (``crops`` keyed by camera → the model's slots);
@@ -493,9 +489,8 @@ def write_checkpoint(model: VLAModel, processor: Processor, out: Path, extra: di
     memory tasks, training facts)."""
     directory = out / "checkpoint"
     save_checkpoint(model, directory, layout="openpi")
-    asset = directory / "assets" / NORM_STATS_ASSET
-    asset.mkdir(parents=True, exist_ok=True)
-    save_norm_stats(processor.norm_stats, asset / "norm_stats.json")
+    norm_stats_file(directory).parent.mkdir(parents=True, exist_ok=True)
+    save_norm_stats(processor.norm_stats, norm_stats_file(directory))
     conv: Conventions = processor.conventions
     policy = {
         "preset": model.config.name,
@@ -539,8 +534,7 @@ def train(config: TrainConfig) -> dict:
     samples = load_samples(files, model_config.image_size, model_config.action_horizon, every=config.image_stride,
                            cameras=config.cameras, crops={c[0]: tuple(c[1:]) for c in config.crops})
     # Continued from a checkpoint: its normalisation stays (the weights were fitted to it).
-    stats = (compute_norm_stats(samples) if config.init_from is None
-             else load_norm_stats(Path(config.init_from) / "assets" / NORM_STATS_ASSET / "norm_stats.json"))
+    stats = compute_norm_stats(samples) if config.init_from is None else load_norm_stats(norm_stats_file(config.init_from))
     processor = build_processor(model_config, stats, config.cameras)
     batches = Batches(samples, processor, config.seed, config.subtask_in_action_prompt, config.locate,
                       config.start_locate)
@@ -631,15 +625,26 @@ def _training_facts(checkpoint: Path | None) -> dict | None:
     settings and its own ``training`` facts, which name where *it* started), or None for a fresh start."""
     if checkpoint is None:
         return None
-    facts = {"checkpoint": str(checkpoint)}
+    policy = _policy_record(checkpoint)
+    return {"checkpoint": str(checkpoint), **{k: policy[k] for k in ("locate", "start_locate", "approach_repeat",
+                                                                     "start_repeat", "subtask_in_action_prompt",
+                                                                     "training") if k in policy}}
+
+
+def _policy_record(checkpoint: Path) -> dict:
+    """A checkpoint's ``demo_policy.json`` (:func:`~oxygen_ros.assets.read_policy_file`), or ``{}`` when it has none,
+    unreadable JSON or not a JSON object: a record to consult, never a reason to fail."""
     try:
-        policy = json.loads((Path(checkpoint) / "demo_policy.json").read_text())
+        policy = read_policy_file(checkpoint)
     except (OSError, ValueError):
-        return facts                          # a checkpoint without (readable) demo_policy.json: the path only
-    if isinstance(policy, dict):
-        facts.update({k: policy[k] for k in ("locate", "start_locate", "approach_repeat", "start_repeat",
-                                             "subtask_in_action_prompt", "training") if k in policy})
-    return facts
+        return {}
+    return policy if isinstance(policy, dict) else {}
+
+
+def norm_stats_file(checkpoint: str | Path) -> Path:
+    """Where a demo checkpoint keeps its normalisation statistics: ``assets/aloha_sim/norm_stats.json`` (openpi's
+    layout, found by :func:`oxygen_ros.models.conventions.find_norm_stats`)."""
+    return Path(checkpoint) / "assets" / NORM_STATS_ASSET / "norm_stats.json"
 
 
 def _json_value(value):
