@@ -53,6 +53,20 @@ def test_expert_outcome_matches_the_data_generators_replay(evaluate):
     assert [o["caption"] for o in record["observed"]][-1] == "the left gripper holds the cube in the air"
 
 
+def test_phase_times_are_the_first_step_and_the_final_transfer(evaluate):
+    dt = evaluate.DT
+    flags = np.zeros((10, 4), bool)
+    flags[3:, 0] = True            # reached from step 3 on
+    flags[5:7, 1] = True           # grasped at step 5, let go at 7
+    flags[2, 3] = flags[8:, 3] = True   # transferred at 2 (lost again), and from 8 to the end
+    times = evaluate.phase_times(flags.tolist())
+    assert times == {"reached": round(3 * dt, 3), "grasped": round(5 * dt, 3), "lifted": None,
+                     "transferred": round(8 * dt, 3)}
+    flags[-1, 3] = False           # not held at the end: no transfer (outcome's rule)
+    assert evaluate.phase_times(flags)["transferred"] is None and not evaluate.outcome(flags)["transferred"]
+    assert evaluate.phase_times(np.zeros((0, 4), bool)) == dict.fromkeys(evaluate.PHASES)
+
+
 def test_ground_truth_rules(evaluate):
     from oxygen_ros.tools.demo_data import SceneState
 

@@ -234,6 +234,29 @@ def outcome(flags) -> dict[str, bool]:
     return dict(zip(PHASES, map(bool, result)))
 
 
+def phase_times(flags) -> dict[str, float | None]:
+    """Per phase: when the episode first got there [s after the start; control steps of ``DT``], ``None`` if
+    it never did (:func:`outcome`'s success). ``transferred`` counts from the start of the final run of steps
+    that hold it (it must hold at the end); the others from their first step."""
+    flags = np.asarray(flags, bool).reshape(-1, len(PHASES))
+    times: dict[str, float | None] = {}
+    for i, phase in enumerate(PHASES):
+        column = flags[:, i]
+        if i == 3:
+            if len(column) == 0 or not column[-1]:
+                times[phase] = None
+                continue
+            off = np.flatnonzero(~column)
+            first = int(off[-1]) + 1 if len(off) else 0
+        else:
+            if not column.any():
+                times[phase] = None
+                continue
+            first = int(np.argmax(column))
+        times[phase] = round(first * DT, 3)
+    return times
+
+
 # ---------------------------------------------------------------------------------------------------
 # policies for the synchronous lockstep loop
 
@@ -932,7 +955,8 @@ def score_episode(record: dict) -> dict:
     frames = record.get("frames") or []
     wall = record.get("wall_s") or 0.0
     distances = record.get("right_distance") or []
-    return {"seed": record["seed"], "outcome": outcome(record["flags"]), "steps": len(record["flags"]),
+    return {"seed": record["seed"], "outcome": outcome(record["flags"]), "first_s": phase_times(record["flags"]),
+            "steps": len(record["flags"]),
             "closest_m": float(min(distances)) if distances else None,
             "subtask_correct": speech_ok, "subtask_total": speech_n,
             "caption_correct": caption_ok, "caption_total": caption_n,
@@ -971,6 +995,9 @@ def summarise(condition: str, episodes: list[dict]) -> dict:
     wall = sum(e["wall_s"] for e in episodes)
     sim = sum(e["sim_s"] for e in episodes)
     closest = [e["closest_m"] for e in episodes if e.get("closest_m") is not None]
+    for phase in PHASES:
+        times = [e["first_s"][phase] for e in episodes if (e.get("first_s") or {}).get(phase) is not None]
+        success[phase]["median_first_s"] = float(np.median(times)) if times else None
     return {"condition": condition, "episodes": n, "success": success, "subtask": accuracy("subtask"),
             "caption": accuracy("caption"),
             "median_closest_m": float(np.median(closest)) if closest else None,
@@ -998,12 +1025,14 @@ def markdown_table(summaries: list[dict]) -> str:
     def ms(x) -> str:
         return num(None if x is None else x * 1e3, ".0f")
 
-    lines = ["| condition | reached | grasped | lifted | transferred | closest [cm] | subtask acc. | caption acc. | "
-             "frame→chunk [ms] | inference [ms] | waiting [ms] | chunks/s (wall) | chunks/s (sim) | s/episode |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| condition | reached | grasped | lifted | transferred | grasped at [s] | closest [cm] | subtask acc. | "
+             "caption acc. | frame→chunk [ms] | inference [ms] | waiting [ms] | chunks/s (wall) | chunks/s (sim) | "
+             "s/episode |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         closest = s.get("median_closest_m")
         lines.append(f"| {s['condition']} | " + " | ".join(pct(s["success"][p]) for p in PHASES)
+                     + f" | {num(s['success']['grasped'].get('median_first_s'), '.1f')}"
                      + f" | {num(None if closest is None else closest * 100, '.1f')}"
                      + f" | {acc(s['subtask'])} | {acc(s['caption'])} | "
                      f"{ms(s['mean_latency_s'])} | {ms(s.get('mean_inference_latency_s'))} | "
@@ -1046,7 +1075,7 @@ def contact_sheet(record: dict, condition: str, path: Path) -> Path:
 
 def _episode_line(record: dict) -> str:
     s = score_episode(record)
-    reached = ", ".join(p for p, v in s["outcome"].items() if v) or "nothing"
+    reached = ", ".join(f"{p} ({s['first_s'][p]:.1f} s)" for p, v in s["outcome"].items() if v) or "nothing"
     closest = "" if s["closest_m"] is None else f", closest {s['closest_m'] * 100:.1f} cm"
     return (f"{reached}{closest}; subtask {s['subtask_correct']}/{s['subtask_total']}, caption "
             f"{s['caption_correct']}/{s['caption_total']}, {s['chunks']} chunks, {s['wall_s']:.1f} s"
