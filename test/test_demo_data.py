@@ -147,6 +147,45 @@ def test_dart_noise_moves_the_states_and_the_labels_lead_back_to_the_expert(epis
                                   [0, 1, 2, 5, 4, 5, 6, 7, 8, 9])
 
 
+def test_state_labels_are_the_evaluation_rule_and_relabel_adds_them_to_older_files(episode, tmp_path):
+    """Each step's state label is the evaluation's ground-truth rule on the state before its action; on the
+    expert's episode it follows the task (move, grasp, lift, hand over, release, in that order) and differs from
+    the script's clock only around the boundaries. ``relabel_dataset`` rebuilds the same labels for a file
+    written without them (DART noise included) from a physics-only replay, and refuses a file whose replay
+    does not reproduce its states."""
+    h5py = pytest.importorskip("h5py")
+    from oxygen_ros.tools import demo_data as dd
+    from oxygen_ros.tools import evaluate
+
+    assert evaluate.ground_truth_subtask is dd.state_subtask
+    labels = episode.state_subtask
+    assert labels.shape == (len(episode.action),) and labels.dtype == np.int8
+    first = [int(np.argmax(labels == k)) for k in range(5)]
+    assert labels[0] == 0 and first == sorted(first) and len(set(first)) == 5, first     # the task's order
+    # A left finger's contact flickers as the left gripper closes: release and hand-over may alternate for a
+    # few steps (seed 7: 0.34 s), then release holds to the end.
+    assert (labels[first[4] + 25:] == 4).all() and (labels[first[3]:] >= 3).all()
+    agree = float(np.mean(labels == episode.subtask))
+    assert 0.6 < agree < 1.0, agree                             # close to the script's, not the same
+
+    dd.generate_dataset(tmp_path, episodes=1, seed=SEED, image_every=IMAGE_EVERY, progress=False, perturb=0.08)
+    path = tmp_path / "episode_0.hdf5"
+    fresh = dd.read_episode(path).state_subtask
+    with h5py.File(path, "r+") as f:                            # as written before the labels existed
+        del f["subtask_state"]
+    assert dd.read_episode(path).state_subtask is None
+    assert dd.relabel_dataset(tmp_path, progress=False) == 1
+    again = dd.read_episode(path).state_subtask
+    last = int(episode.image_steps.max())
+    np.testing.assert_array_equal(again[:last + 1], fresh[:last + 1])
+    assert (again[last + 1:] == -1).all()
+    assert dd.relabel_dataset(tmp_path, progress=False) == 0     # nothing left to do
+    with h5py.File(path, "r+") as f:
+        del f["subtask_state"]
+    with pytest.raises(RuntimeError, match="differ"):
+        dd.relabel_episode(path, perturb=0.02)                   # not the noise it was generated with
+
+
 def test_bad_settings_raise():
     pytest.importorskip("gym_aloha")
     from oxygen_ros.tools.demo_data import generate_dataset, generate_episode

@@ -295,6 +295,35 @@ def test_location_targets_only_where_the_cube_lies_on_the_table_and_the_pool_rep
         training_pool(samples, idx, 0)
 
 
+def test_state_labels_train_in_place_of_the_script_labels(dataset, tmp_path):
+    """--subtask-labels state: the samples carry the state rule's labels (/subtask_state) at their steps, the
+    checkpoint records the choice, and a file without state labels ends the loading with a message naming
+    the relabel command."""
+    import h5py
+    from oxygen_ros.tools.demo_data import read_episode
+    from oxygen_ros.training.data import DataMismatchError, episode_files, load_samples
+    from oxygen_ros.training.train import train
+
+    files = episode_files(dataset)
+    script = load_samples(files, 32, 4)
+    state = load_samples(files, 32, 4, labels="state")
+    expected = np.concatenate([read_episode(f).state_subtask[read_episode(f).image_steps] for f in files])
+    np.testing.assert_array_equal(state.subtask, expected)
+    np.testing.assert_array_equal(state.actions, script.actions)
+    summary = train(_config(dataset, tmp_path / "state", subtask_labels="state"))
+    policy = json.loads((tmp_path / "state" / "checkpoint" / "demo_policy.json").read_text())
+    assert policy["subtask_labels"] == "state" and summary["config"]["subtask_labels"] == "state"
+    with pytest.raises(ValueError, match="labels"):
+        load_samples(files, 32, 4, labels="clock")
+    copy = tmp_path / "old" / "episode_0.hdf5"
+    copy.parent.mkdir()
+    copy.write_bytes(files[0].read_bytes())
+    with h5py.File(copy, "r+") as f:
+        del f["subtask_state"]
+    with pytest.raises(DataMismatchError, match="--relabel"):
+        load_samples([copy], 32, 4, labels="state")
+
+
 def test_bad_training_settings_raise(dataset, tmp_path):
     from oxygen_ros.training.train import train
 

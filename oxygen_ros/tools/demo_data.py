@@ -68,6 +68,9 @@ PHASES = ("reached", "grasped", "lifted", "transferred")
 _QPOS_ARM = (slice(0, 6), slice(8, 14))    # per arm: 6 joints, then two finger slides
 _REACH_TOLERANCE = 0.03                     # grasp point within this of the cube centre: "reached" [m]
 _LIFT_HEIGHT = 0.03                         # cube centre this far above its rest height: "lifted" [m]
+OFF_TABLE = 0.005                           # cube centre this far above its rest height: off the table [m]
+GRIPPER_OPEN = 0.95                         # normalised opening at or above which a gripper counts as open
+HANDOVER_HEIGHT = 0.10                      # cube this far above its rest height, held by the right: "hand over" [m]
 # The grasp point (between the fingertips' pads) in the gripper_link frame [m] (measured on the scene: the
 # finger geoms' centres lie 0.093 m along the gripper's x axis, the fingers reach ~0.05 m beyond).
 _GRASP_OFFSET = np.array([0.125, 0.0, 0.0])
@@ -468,6 +471,50 @@ def phase_flags(state: SceneState, rest_height: float) -> np.ndarray:
     return np.array([reached, state.right_holds, lifted, transferred])
 
 
+def state_subtask(state: SceneState, rest_height: float, position: np.ndarray) -> int:
+    """The subtask (index into :data:`SUBTASKS`) that the simulator's state says is under way.
+
+    Args:
+        state: the scene's facts (:func:`scene_state`).
+        rest_height: the cube centre's height at rest [m].
+        position: float ``[14]`` joint state in gym-aloha's ``JOINTS`` order (grippers: normalised opening,
+            0 closed .. 1 open, at indices 6 (left) and 13 (right)).
+
+    The first rule that holds, in this order ("off the table": no contact with the table and the cube centre
+    ≥ 5 mm above its rest height; a gripper is "open" at an opening ≥ 0.95, it reads 0.97-1.0 open and
+    ~0.6 closed on the cube):
+
+    1. the cube is off the table and the left gripper is closing on, or holding, the cube: it is not open,
+       or a left finger touches the cube or a right finger (closing on the cube the right gripper holds, the
+       left fingers meet the right ones, and may stop while still reading "open") → ``release the cube``;
+    2. the cube is off the table and ≥ ``HANDOVER_HEIGHT`` (10 cm) above its rest height →
+       ``hand the cube to the left arm``;
+    3. the cube is off the table, lower, and the right gripper closed (opening < 0.9) or a right finger
+       touching it → ``lift the cube``;
+    4. the right grasp point is within 3 cm of the cube centre (``reached``) or a right finger touches the
+       cube → ``grasp the cube``;
+    5. otherwise → ``move the right arm to the cube`` (also after a drop: the cube must be fetched again).
+
+    Finger contacts flicker while the cube is carried, and the left gripper's fingers close on the cube only
+    once the right ones let go, so the rules read where the cube is and the grippers' openings rather than
+    two-finger contact. The evaluation scores the published speech against this rule
+    (``evaluate.ground_truth_subtask``); the expert's script labels by time, and on the expert's own episodes
+    the two differ around the segment boundaries (docs/demo-policy.md), so the generator also records this
+    rule per step (``Episode.state_subtask``) for training on labels that read the state.
+    """
+    left_open, right_open = float(position[6]), float(position[13])
+    if not state.on_table and state.cube[2] >= rest_height + OFF_TABLE:
+        if left_open < GRIPPER_OPEN or state.left_fingers > 0 or state.left_on_right:
+            return 4
+        if state.cube[2] >= rest_height + HANDOVER_HEIGHT:
+            return 3
+        if right_open < 0.9 or state.right_fingers > 0:
+            return 2
+    if state.right_distance < _REACH_TOLERANCE or state.right_fingers > 0:
+        return 1
+    return 0
+
+
 # The start of scene_caption's caption for a cube lying on the table, held by neither gripper (training's
 # cube-location target is taken on exactly these samples: oxygen_ros/training/train.py).
 ON_TABLE_CAPTION = "the cube is on the "
@@ -506,6 +553,9 @@ class Episode:
         expert_phases: bool ``[4]`` the phases the expert reached in the end-effector scene.
         cube_start: float ``[3]`` the cube's resting centre [m].
         perturb_scale: the fraction of the DART noise the replay executed (0: the nominal replay).
+        state_subtask: int8 ``[T]`` the subtask the state before each action shows (:func:`state_subtask`,
+            the evaluation's ground truth), or None for a file written before it was recorded
+            (:func:`relabel_dataset` adds it).
     """
 
     seed: int
@@ -520,6 +570,7 @@ class Episode:
     expert_phases: np.ndarray
     cube_start: np.ndarray
     perturb_scale: float = 0.0
+    state_subtask: np.ndarray | None = None
 
     @property
     def outcome(self) -> np.ndarray:
@@ -645,11 +696,13 @@ class _Replay:
     images: dict[str, np.ndarray]
     image_steps: np.ndarray
     rest: np.ndarray
+    state_subtask: np.ndarray
 
 
 def _replay(seed: int, targets: np.ndarray, image_every: int, width: int, height: int,
-            cameras: tuple[str, ...]) -> _Replay:
-    """Execute ``targets`` (float ``[T, 14]``) in the joint-space scene; render ``cameras`` (none: physics only)."""
+            cameras: tuple[str, ...], stop: int | None = None) -> _Replay:
+    """Execute ``targets`` (float ``[T, 14]``) in the joint-space scene; render ``cameras`` (none: physics only).
+    ``stop``: record only the states before the first ``stop`` actions (default all T)."""
     from oxygen_ros.tools.sim_robot import AlohaScene
 
     scene = AlohaScene(width=width, height=height, seed=seed)
@@ -657,10 +710,11 @@ def _replay(seed: int, targets: np.ndarray, image_every: int, width: int, height
         scene.step(_SETTLE_S)
         geoms = _Geoms(scene.model)
         rest = scene_state(scene.model, scene.data, geoms).cube
-        steps = len(targets)
+        steps = len(targets) if stop is None else stop
         qpos = np.empty((steps, 14), np.float32)
         qvel = np.empty((steps, 14), np.float32)
         phases = np.empty((steps, 4), bool)
+        labels = np.empty(steps, np.int8)
         captions = []
         image_steps = np.arange(0, steps, image_every, dtype=np.int32)
         images = {camera: np.empty((len(image_steps), height, width, 3), np.uint8) for camera in cameras}
@@ -669,6 +723,7 @@ def _replay(seed: int, targets: np.ndarray, image_every: int, width: int, height
             qpos[k], qvel[k] = position, velocity
             state = scene_state(scene.model, scene.data, geoms)
             captions.append(scene_caption(state))
+            labels[k] = state_subtask(state, rest[2], position)
             if k % image_every == 0:
                 for camera in cameras:
                     images[camera][k // image_every] = scene.render(camera)
@@ -679,7 +734,7 @@ def _replay(seed: int, targets: np.ndarray, image_every: int, width: int, height
             raise RuntimeError(f"episode {seed}: the physics went unstable during the replay")
     finally:
         scene.close()
-    return _Replay(qpos, qvel, phases, captions, images, image_steps, rest)
+    return _Replay(qpos, qvel, phases, captions, images, image_steps, rest, labels)
 
 
 def generate_episode(seed: int, image_every: int = 5, width: int = 320, height: int = 240,
@@ -729,7 +784,8 @@ def generate_episode(seed: int, image_every: int = 5, width: int = 320, height: 
     run = _replay(seed, targets, image_every, width, height, cameras)
     return Episode(seed=seed, qpos=run.qpos, qvel=run.qvel, action=np.ascontiguousarray(labels, np.float32),
                    images=run.images, image_steps=run.image_steps, subtask=label_subtask, caption=run.captions,
-                   phases=run.phases, expert_phases=expert, cube_start=run.rest, perturb_scale=scale)
+                   phases=run.phases, expert_phases=expert, cube_start=run.rest, perturb_scale=scale,
+                   state_subtask=run.state_subtask)
 
 
 def write_episode(episode: Episode, path: str | Path, compression: str | None = "gzip") -> Path:
@@ -738,7 +794,8 @@ def write_episode(episode: Episode, path: str | Path, compression: str | None = 
     Datasets: ``/observations/qpos``, ``/observations/qvel``, ``/action`` float32 ``[T, 14]``;
     ``/observations/images/<camera>`` uint8 ``[N, H, W, 3]`` (one chunk per image, ``compression``);
     ``/observations/image_steps`` int32 ``[N]``; ``/subtask`` and ``/caption`` UTF-8 strings ``[T]``;
-    ``/subtask_index`` int8 ``[T]``; ``/phases`` bool ``[T, 4]``. Attributes: ``sim`` (True), ``seed``,
+    ``/subtask_index`` int8 ``[T]``; ``/subtask_state`` int8 ``[T]`` (the state labels, when the episode has
+    them); ``/phases`` bool ``[T, 4]``. Attributes: ``sim`` (True), ``seed``,
     ``dt`` [s], ``instruction``, ``joint_names``, ``subtasks``, ``phase_names``, ``outcome`` and
     ``expert_outcome`` (bool ``[4]``), ``cube_start`` [m], ``image_every``, ``perturb_scale``.
 
@@ -768,6 +825,8 @@ def write_episode(episode: Episode, path: str | Path, compression: str | None = 
         f.create_dataset("action", data=episode.action)
         f.create_dataset("subtask", data=[SUBTASKS[i] for i in episode.subtask], dtype=text)
         f.create_dataset("subtask_index", data=episode.subtask)
+        if episode.state_subtask is not None:
+            f.create_dataset("subtask_state", data=np.asarray(episode.state_subtask, np.int8))
         f.create_dataset("caption", data=episode.caption, dtype=text)
         f.create_dataset("phases", data=episode.phases)
     return path
@@ -791,7 +850,93 @@ def read_episode(path: str | Path) -> Episode:
             image_steps=f["observations/image_steps"][()], subtask=subtask,
             caption=[s.decode() if isinstance(s, bytes) else s for s in f["caption"][()]],
             phases=f["phases"][()], expert_phases=np.asarray(f.attrs["expert_outcome"], bool),
-            cube_start=np.asarray(f.attrs["cube_start"]), perturb_scale=float(f.attrs.get("perturb_scale", 0.0)))
+            cube_start=np.asarray(f.attrs["cube_start"]), perturb_scale=float(f.attrs.get("perturb_scale", 0.0)),
+            state_subtask=f["subtask_state"][()] if "subtask_state" in f else None)
+
+
+def relabel_episode(path: str | Path, perturb: float) -> Path:
+    """Add the state labels (``/subtask_state``, :func:`state_subtask`) to an episode file written without
+    them, by replaying its executed targets in the joint-space scene without cameras.
+
+    The executed targets are rebuilt from the file's seed and ``perturb_scale`` (the expert's trajectory plus
+    that fraction of :func:`perturbation` at std ``perturb``), and the replay runs only up to the file's last
+    image step (training reads no other step); ``/subtask_state`` is -1 after it. Only the steps before the
+    first action (start frames: one image at step 0) need no expert run.
+
+    Args:
+        path: an episode file (:func:`write_episode`); rewritten in place (the labels dataset only).
+        perturb: the DART noise std [rad] the directory was generated with (its ``dataset.json`` ``perturb``).
+
+    Raises:
+        RuntimeError: the replayed joint states differ from the file's (another ``perturb``, another MuJoCo
+            build): the labels would not belong to the recorded states.
+    """
+    import h5py
+
+    path = Path(path)
+    with h5py.File(path, "r") as f:
+        seed, scale = int(f.attrs["seed"]), float(f.attrs.get("perturb_scale", 0.0))
+        qpos, image_steps = f["observations/qpos"][()], f["observations/image_steps"][()]
+    steps = len(qpos)
+    stop = int(image_steps.max()) + 1 if len(image_steps) else 1
+    if stop > 1:
+        targets, _, _ = expert_joint_trajectory(seed)
+        if len(targets) != steps:
+            raise RuntimeError(f"{path}: the expert's trajectory for seed {seed} has {len(targets)} steps, "
+                               f"the file {steps}")
+        if scale > 0:
+            targets = (targets + scale * perturbation(seed, steps, perturb)).astype(np.float32)
+    else:
+        targets = qpos[:1]           # executed after the only recorded state: it does not matter which
+    run = _replay(seed, targets, steps, 320, 240, (), stop=stop)
+    if not np.array_equal(run.qpos, qpos[:stop]):
+        raise RuntimeError(f"{path}: the replay's joint states differ from the file's (max "
+                           f"{np.abs(run.qpos - qpos[:stop]).max():.3g}); generated with another --perturb "
+                           f"than {perturb} or another MuJoCo build: regenerate it")
+    labels = np.full(steps, -1, np.int8)
+    labels[:stop] = run.state_subtask
+    with h5py.File(path, "r+") as f:
+        if "subtask_state" in f:
+            del f["subtask_state"]
+        f.create_dataset("subtask_state", data=labels)
+    return path
+
+
+def relabel_dataset(data_dir: str | Path, workers: int = 1, progress: bool = True) -> int:
+    """:func:`relabel_episode` on every ``episode_<i>.hdf5`` of ``data_dir`` that has no state labels yet,
+    with the directory's ``perturb`` (from its ``dataset.json``; 0 when absent). Returns how many were
+    relabelled. Raises FileNotFoundError for a missing directory, RuntimeError as :func:`relabel_episode`."""
+    import h5py
+    from tqdm import tqdm
+
+    directory = Path(data_dir)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no data directory {directory}")
+    record = directory / "dataset.json"
+    perturb = float(json.loads(record.read_text()).get("perturb", 0.0)) if record.is_file() else 0.0
+    todo = []
+    for path in sorted(directory.glob("episode_*.hdf5")):
+        with h5py.File(path, "r") as f:
+            if "subtask_state" not in f:
+                todo.append(path)
+    pool = None
+    if workers > 1 and len(todo) > 1:
+        import multiprocessing
+
+        pool = multiprocessing.get_context("spawn").Pool(min(workers, len(todo)))   # as generate_dataset
+    jobs = [(path, perturb) for path in todo]
+    try:
+        for _ in tqdm(pool.imap_unordered(_relabel_job, jobs) if pool else map(_relabel_job, jobs),
+                      total=len(jobs), desc="state labels", unit="episode", disable=not progress):
+            pass
+    finally:
+        if pool is not None:
+            pool.terminate()
+    return len(todo)
+
+
+def _relabel_job(job: tuple) -> Path:
+    return relabel_episode(*job)
 
 
 def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
@@ -890,6 +1035,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="episodes generated in parallel processes (default: the number of CPUs; "
                              "the files do not depend on it)")
+    parser.add_argument("--relabel", type=Path, default=None, metavar="DIR",
+                        help="instead of generating: add the state labels (/subtask_state) to the episodes of DIR "
+                             "written without them, replaying their physics without cameras")
     parser.add_argument("--perturb", type=float, default=PERTURB_SIGMA,
                         help="DART noise on the executed arm targets, std per joint [rad] (default "
                              f"{PERTURB_SIGMA}; 0: the expert's nominal replay)")
@@ -916,6 +1064,13 @@ def seed_range_problem(option: str, first: int, count: int) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Generate the dataset and print the expert's success rate per phase."""
     args = parse_args(argv)
+    if args.relabel is not None:
+        try:
+            count = relabel_dataset(args.relabel, workers=args.workers)
+        except (FileNotFoundError, RuntimeError) as error:
+            raise SystemExit(f"demo_data: {error}") from None
+        print(f"added state labels to {count} episodes of {args.relabel}")
+        return 0
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as error:

@@ -70,15 +70,15 @@ from oxygen_ros.tools.chunk_execution import ChunkExecutor  # noqa: E402
 from oxygen_ros.tools.child_process import package_pythonpath, start_child, stop_child  # noqa: E402
 from oxygen_ros.tools.demo_data import (DT, INSTRUCTION, JOINTS, PHASES, SUBTASKS, phase_flags,  # noqa: E402
                                         scene_caption, scene_state, wilson_interval)
+# The ground truth the published speech is scored against: the state rule the data generator also records
+# per step as its state labels (demo_data.state_subtask; docs/demo-policy.md, "Ground-truth subtask").
+from oxygen_ros.tools.demo_data import state_subtask as ground_truth_subtask  # noqa: E402
 
 CONDITIONS = ("node-lockstep", "node-realtime", "sync", "random", "expert")
 CAMERAS = demo_data.CAMERAS
 NODE_NAME = "oxygen_node"
 EPISODE_STEPS = 530                  # 10.6 s at 50 Hz, as the demonstrations
 SETTLE_S = demo_data._SETTLE_S       # the cube drops onto the table first (as in the data)
-OFF_TABLE = 0.005                    # cube centre this far above its rest height: off the table [m]
-GRIPPER_OPEN = 0.95                  # normalised opening at or above which a gripper counts as open
-HANDOVER_HEIGHT = 0.10               # cube this far above its rest height, held by the right: "hand over" [m]
 SHEET_TIMES_S = (0.0, 2.0, 4.0, 6.0, 8.0, 10.4)   # contact sheet frames, sim time after the settle [s]
 EPISODE_CLOCK_S = 1000.0             # node-lockstep: episode i's sim clock starts at (i + 1) x this [s]
 ENSEMBLE_MAX_CHUNKS = 64             # --ensemble: chunks kept; ≥ ceil(H / execute_steps) for H ≤ 64 at any schedule
@@ -86,49 +86,6 @@ ENSEMBLE_MAX_CHUNKS = 64             # --ensemble: chunks kept; ≥ ceil(H / exe
 
 # ---------------------------------------------------------------------------------------------------
 # ground truth
-
-
-def ground_truth_subtask(state: demo_data.SceneState, rest_height: float, position: np.ndarray) -> int:
-    """The subtask (index into :data:`SUBTASKS`) that the simulator's state says is under way.
-
-    Args:
-        state: the scene's facts (:func:`~oxygen_ros.tools.demo_data.scene_state`).
-        rest_height: the cube centre's height at rest [m].
-        position: float ``[14]`` joint state in gym-aloha's ``JOINTS`` order (grippers: normalised opening,
-            0 closed .. 1 open, at indices 6 (left) and 13 (right)).
-
-    The first rule that holds, in this order ("off the table": no contact with the table and the cube centre
-    ≥ 5 mm above its rest height; a gripper is "open" at an opening ≥ 0.95, it reads 0.97-1.0 open and
-    ~0.6 closed on the cube):
-
-    1. the cube is off the table and the left gripper is closing on, or holding, the cube: it is not open,
-       or a left finger touches the cube or a right finger (closing on the cube the right gripper holds, the
-       left fingers meet the right ones, and may stop while still reading "open") → ``release the cube``;
-    2. the cube is off the table and ≥ ``HANDOVER_HEIGHT`` (10 cm) above its rest height →
-       ``hand the cube to the left arm``;
-    3. the cube is off the table, lower, and the right gripper closed (opening < 0.9) or a right finger
-       touching it → ``lift the cube``;
-    4. the right grasp point is within 3 cm of the cube centre (``reached``) or a right finger touches the
-       cube → ``grasp the cube``;
-    5. otherwise → ``move the right arm to the cube`` (also after a drop: the cube must be fetched again).
-
-    Finger contacts flicker while the cube is carried, and the left gripper's fingers close on the cube only
-    once the right ones let go, so the rules read where the cube is and the grippers' openings rather than
-    two-finger contact. The expert's script labels by time (docs/demo-policy.md); on the expert's own
-    episodes the two differ only within a frame or two of the segment boundaries (the ``expert``
-    condition's subtask accuracy measures the agreement).
-    """
-    left_open, right_open = float(position[6]), float(position[13])
-    if not state.on_table and state.cube[2] >= rest_height + OFF_TABLE:
-        if left_open < GRIPPER_OPEN or state.left_fingers > 0 or state.left_on_right:
-            return 4
-        if state.cube[2] >= rest_height + HANDOVER_HEIGHT:
-            return 3
-        if right_open < 0.9 or state.right_fingers > 0:
-            return 2
-    if state.right_distance < demo_data._REACH_TOLERANCE or state.right_fingers > 0:
-        return 1
-    return 0
 
 
 def text_matches(text: str, label: str) -> bool:

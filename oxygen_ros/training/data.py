@@ -88,9 +88,13 @@ def episode_files(data_dir: str | Path) -> list[Path]:
     return files
 
 
+SUBTASK_LABELS = ("script", "state")
+
+
 def load_samples(files: list[Path], image_size: int, horizon: int, resize: str = "pil_bilinear",
                  every: int = 1, cameras: tuple[str, ...] = CAMERAS,
-                 crops: dict[str, tuple[float, float, float, float]] | None = None) -> DemoSamples:
+                 crops: dict[str, tuple[float, float, float, float]] | None = None,
+                 labels: str = "script") -> DemoSamples:
     """Read ``files`` into :class:`DemoSamples` (every ``every``-th rendered image step of each).
 
     Args:
@@ -102,12 +106,18 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
         cameras: the cameras the model sees, in slot order (a subset of :data:`CAMERAS`; default all three).
         crops: per camera, the ``(top, left, height, width)`` fractions of its frame the model sees
             (:func:`oxygen_ros.models.processing.crop_image`, as the node crops); default none.
+        labels: which subtask labels the samples carry: ``script`` (the expert's script, by its clock and the
+            nominal step nearest the state) or ``state`` (the evaluation's ground-truth rule on the recorded
+            state, ``/subtask_state``: :func:`oxygen_ros.tools.demo_data.state_subtask`).
 
     Raises:
-        ValueError: an unknown camera.
+        ValueError: an unknown camera or ``labels``.
         DataMismatchError: a file that is not a readable episode (truncated, another HDF5 layout), an episode
-            without one of ``cameras`` or without images, or a crop that covers no pixel of its frames.
+            without one of ``cameras`` or without images, a crop that covers no pixel of its frames, or
+            ``labels="state"`` on an episode without state labels at its image steps.
     """
+    if labels not in SUBTASK_LABELS:
+        raise ValueError(f"labels must be one of {SUBTASK_LABELS}, got {labels!r}")
     unknown = [c for c in cameras if c not in CAMERAS]
     if unknown or not cameras:
         raise ValueError(f"cameras must be a non-empty subset of {CAMERAS}, got {tuple(cameras)}")
@@ -124,6 +134,12 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
         missing = [c for c in cameras if c not in ep.images]
         if missing or len(ep.image_steps) == 0:
             raise DataMismatchError(f"{path}: cameras {missing} missing or no image rendered")
+        episode_labels = ep.subtask
+        if labels == "state":
+            episode_labels = ep.state_subtask
+            if episode_labels is None or np.any(episode_labels[ep.image_steps] < 0):
+                raise DataMismatchError(f"{path}: no state labels (/subtask_state) at its image steps; add them "
+                                        f"with python -m oxygen_ros.tools.demo_data --relabel {Path(path).parent}")
         all_states.append(ep.qpos.astype(np.float64))
         all_actions.append(ep.action.astype(np.float64))
         steps = ep.image_steps[::every]
@@ -145,7 +161,7 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
             idx = np.minimum(np.arange(s, s + horizon), last)
             state.append(ep.qpos[s].astype(np.float64))
             actions.append(ep.action[idx].astype(np.float64))
-            subtask.append(int(ep.subtask[s]))
+            subtask.append(int(episode_labels[s]))
             caption.append(ep.caption[s])
             cube.append(np.asarray(ep.cube_start, np.float64)[:3])
             episode.append(index)

@@ -63,8 +63,8 @@ from oxygen_ros.models.vla import VLAModel
 # ON_TABLE_CAPTION starts the captions of a cube lying untouched on the table: there it is still at its start
 # position, the location target's ground truth.
 from oxygen_ros.tools.demo_data import INSTRUCTION, JOINTS, ON_TABLE_CAPTION, SUBTASKS
-from oxygen_ros.training.data import (CAMERA_SLOTS, DataMismatchError, DemoSamples, compute_norm_stats,
-                                      episode_files, load_samples)
+from oxygen_ros.training.data import (CAMERA_SLOTS, SUBTASK_LABELS, DataMismatchError, DemoSamples,
+                                      compute_norm_stats, episode_files, load_samples)
 
 SUBTASK_PROMPT = "Task: {instruction}, State: {state};\nSubtask: "
 CAPTION_PROMPT = "Task: {instruction}, State: {state};\nScene: "
@@ -97,6 +97,7 @@ class TrainConfig:
     start_locate: float | None = None
     approach_repeat: int = 2
     start_repeat: int = 1
+    subtask_labels: str = "script"
     init_from: Path | None = None
     image_stride: int = 1
     cameras: tuple[str, ...] = tuple(CAMERA_SLOTS)
@@ -121,6 +122,8 @@ class TrainConfig:
             raise ValueError(f"locate must be in [0, 1], got {self.locate}")
         if self.start_locate is not None and not 0.0 <= self.start_locate <= 1.0:
             raise ValueError(f"start_locate must be in [0, 1], got {self.start_locate}")
+        if self.subtask_labels not in SUBTASK_LABELS:
+            raise ValueError(f"subtask_labels must be one of {SUBTASK_LABELS}, got {self.subtask_labels!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         for name in ("steps", "batch_size", "approach_repeat", "start_repeat", "log_every", "image_stride"):
@@ -532,7 +535,8 @@ def train(config: TrainConfig) -> dict:
     files = extra + files
     model_config = config.model_config()
     samples = load_samples(files, model_config.image_size, model_config.action_horizon, every=config.image_stride,
-                           cameras=config.cameras, crops={c[0]: tuple(c[1:]) for c in config.crops})
+                           cameras=config.cameras, crops={c[0]: tuple(c[1:]) for c in config.crops},
+                           labels=config.subtask_labels)
     # Continued from a checkpoint: its normalisation stays (the weights were fitted to it).
     stats = compute_norm_stats(samples) if config.init_from is None else load_norm_stats(norm_stats_file(config.init_from))
     processor = build_processor(model_config, stats, config.cameras)
@@ -610,6 +614,7 @@ def train(config: TrainConfig) -> dict:
         "subtask_in_action_prompt": config.subtask_in_action_prompt,
         "locate_prompt": LOCATE_PROMPT, "locate": config.locate, "start_locate": config.start_locate,
         "approach_repeat": config.approach_repeat, "start_repeat": config.start_repeat,
+        "subtask_labels": config.subtask_labels,
         "training": {k: summary[k] for k in ("episodes", "extra_episodes", "train_samples", "start_samples",
                                              "init_from", "parameters", "seconds", "seconds_per_step", "final",
                                              "evaluation")}}, config.cameras)
@@ -628,7 +633,7 @@ def _training_facts(checkpoint: Path | None) -> dict | None:
     policy = _policy_record(checkpoint)
     return {"checkpoint": str(checkpoint), **{k: policy[k] for k in ("locate", "start_locate", "approach_repeat",
                                                                      "start_repeat", "subtask_in_action_prompt",
-                                                                     "training") if k in policy}}
+                                                                     "subtask_labels", "training") if k in policy}}
 
 
 def _policy_record(checkpoint: Path) -> dict:
@@ -684,6 +689,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                         help="times each reaching/grasping sample appears per pass (default 2; 1: uniform)")
     parser.add_argument("--start-repeat", type=int, default=d.start_repeat,
                         help="start-pose samples appear this many times as often in all (default 1: unchanged)")
+    parser.add_argument("--subtask-labels", choices=SUBTASK_LABELS, default=d.subtask_labels,
+                        help="the subtask labels trained on: script (the expert's, default) or state (the "
+                             "evaluation's ground-truth rule on each recorded state, /subtask_state; older data: "
+                             "python -m oxygen_ros.tools.demo_data --relabel DIR)")
     parser.add_argument("--init-from", type=Path, default=None, metavar="CHECKPOINT",
                         help="continue training from this checkpoint directory's weights and normalisation "
                              "statistics (same preset, --image-size, --crop and --cameras; default: a fresh start)")
@@ -724,7 +733,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                          batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, text_weight=args.text_weight,
                          subtask_in_action_prompt=args.subtask_in_action_prompt, locate=args.locate,
                          start_locate=args.start_locate, approach_repeat=args.approach_repeat,
-                         start_repeat=args.start_repeat, init_from=args.init_from, image_stride=args.image_stride,
+                         start_repeat=args.start_repeat, subtask_labels=args.subtask_labels,
+                         init_from=args.init_from, image_stride=args.image_stride,
                          cameras=tuple(c.strip() for c in args.cameras.split(",") if c.strip()),
                          image_size=args.image_size, crops=tuple(crops),
                          val_episodes=args.val_episodes, eval_samples=args.eval_samples, seed=args.seed,
