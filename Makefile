@@ -28,19 +28,22 @@ demo-data: setup
 # (--init-from the stage before) that weigh the start frames and their location target more; the last writes
 # runs/train-demo. TRAIN_ARGS goes to the first stage, FINETUNE_ARGS to the continued ones (a continued stage
 # must have the base's model settings: pass --image-size / --crop / --cameras changes through TRAIN_DATA).
+# FINETUNE_STAGE_ARGS: what each continued stage adds, in order (stage 3 on: every subtask drawn alike; stage 4:
+# the speech trained on the state labels); stages past the list add nothing.
 TOP_CROP := top=0.35,0.35,0.466667,0.35
 TRAIN_DATA := --data runs/demo-data --extra-data runs/demo-starts --crop $(TOP_CROP)
 FINETUNE := --start-repeat 3 --start-locate 0.75 --lr 3e-4 --warmup 50 --steps 2500
-FINETUNE_STAGES ?= 2
+FINETUNE_STAGE_ARGS := "" "" "--approach-repeat 1" "--approach-repeat 1 --subtask-labels state"
+FINETUNE_STAGES ?= 4
 # FINETUNE_STAGES=0: the base alone, written to runs/train-demo
 BASE_OUT = $(if $(filter 0,$(FINETUNE_STAGES)),runs/train-demo,runs/train-demo-base)
 train-demo: setup
 	@$(WITH_ENV) python -m oxygen_ros.training.train $(TRAIN_DATA) --out $(BASE_OUT) $(TRAIN_ARGS)
-	@$(WITH_ENV) prev=$(BASE_OUT) && for stage in $$(seq 1 $(FINETUNE_STAGES)); do \
+	@$(WITH_ENV) prev=$(BASE_OUT) && stage_args=($(FINETUNE_STAGE_ARGS)) && for stage in $$(seq 1 $(FINETUNE_STAGES)); do \
 		out=runs/train-demo-stage$$stage; if [ $$stage -eq $(FINETUNE_STAGES) ]; then out=runs/train-demo; fi; \
-		echo "[train-demo] stage $$stage: $$prev -> $$out"; \
+		echo "[train-demo] stage $$stage: $$prev -> $$out $${stage_args[$$((stage - 1))]}"; \
 		python -m oxygen_ros.training.train $(TRAIN_DATA) --init-from $$prev/checkpoint $(FINETUNE) \
-			--out $$out $(FINETUNE_ARGS) || exit 1; prev=$$out; done
+			$${stage_args[$$((stage - 1))]} --out $$out $(FINETUNE_ARGS) || exit 1; prev=$$out; done
 
 # Closed-loop evaluation of the trained policy (docs/demo-policy.md, "Closed-loop evaluation"): node on
 # simulated time, node in real time, synchronous, random weights, scripted expert; EVAL_ARGS passes options
