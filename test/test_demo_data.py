@@ -184,6 +184,15 @@ def test_state_labels_are_the_evaluation_rule_and_relabel_adds_them_to_older_fil
         del f["subtask_state"]
     with pytest.raises(RuntimeError, match="differ"):
         dd.relabel_episode(path, perturb=0.02)                   # not the noise it was generated with
+    with pytest.raises(FileNotFoundError, match="no data directory"):
+        dd.relabel_dataset(tmp_path / "missing", progress=False)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no episode"):
+        dd.relabel_dataset(empty, progress=False)
+    (empty / "episode_0.hdf5").write_bytes(b"not hdf5")
+    with pytest.raises(RuntimeError, match="not a readable episode"):
+        dd.relabel_dataset(empty, progress=False)
 
 
 def test_bad_settings_raise():

@@ -905,7 +905,8 @@ def relabel_episode(path: str | Path, perturb: float) -> Path:
 def relabel_dataset(data_dir: str | Path, workers: int = 1, progress: bool = True) -> int:
     """:func:`relabel_episode` on every ``episode_<i>.hdf5`` of ``data_dir`` that has no state labels yet,
     with the directory's ``perturb`` (from its ``dataset.json``; 0 when absent). Returns how many were
-    relabelled. Raises FileNotFoundError for a missing directory, RuntimeError as :func:`relabel_episode`."""
+    relabelled. Raises FileNotFoundError for a missing directory or one without episodes, RuntimeError as
+    :func:`relabel_episode` and for a file that is not a readable episode."""
     import h5py
     from tqdm import tqdm
 
@@ -914,11 +915,17 @@ def relabel_dataset(data_dir: str | Path, workers: int = 1, progress: bool = Tru
         raise FileNotFoundError(f"no data directory {directory}")
     record = directory / "dataset.json"
     perturb = float(json.loads(record.read_text()).get("perturb", 0.0)) if record.is_file() else 0.0
+    files = sorted(directory.glob("episode_*.hdf5"))
+    if not files:
+        raise FileNotFoundError(f"no episode_*.hdf5 in {directory}")
     todo = []
-    for path in sorted(directory.glob("episode_*.hdf5")):
-        with h5py.File(path, "r") as f:
-            if "subtask_state" not in f:
-                todo.append(path)
+    for path in files:
+        try:
+            with h5py.File(path, "r") as f:
+                if "subtask_state" not in f:
+                    todo.append(path)
+        except OSError as error:                    # truncated or not HDF5
+            raise RuntimeError(f"{path}: not a readable episode ({error}); regenerate it or remove it") from None
     pool = None
     if workers > 1 and len(todo) > 1:
         import multiprocessing
