@@ -193,6 +193,10 @@ def test_state_labels_are_the_evaluation_rule_and_relabel_adds_them_to_older_fil
     (empty / "episode_0.hdf5").write_bytes(b"not hdf5")
     with pytest.raises(RuntimeError, match="not a readable episode"):
         dd.relabel_dataset(empty, progress=False)
+    with h5py.File(empty / "episode_0.hdf5", "w") as f:         # HDF5 of another layout: no seed, no qpos
+        f.create_dataset("action", data=np.zeros((3, 14), np.float32))
+    with pytest.raises(RuntimeError, match="not an episode of this generator .*observations/qpos.*attribute seed"):
+        dd.relabel_dataset(empty, progress=False)
 
 
 def test_bad_settings_raise():

@@ -232,3 +232,12 @@ def test_sync_with_temporal_ensembling_runs_is_deterministic_and_averages_the_ch
     np.testing.assert_allclose(replay(ensembled), record["final_position"], rtol=0, atol=1e-9)
     assert not np.allclose(replay(newest), record["final_position"], rtol=0, atol=1e-6), \
         "ensembling changed nothing: the newest-chunk execution ends in the same state"
+
+
+def test_contact_sheet_times_cover_the_whole_episode(evaluate):
+    """The default 10.6 s episode keeps its frames (0-8 s every 2 s, 10.4 s); a longer or shorter one spreads
+    them over its own length, the last 0.2 s before its end (so a transfer late in a 20 s episode shows)."""
+    assert evaluate.sheet_times() == evaluate.SHEET_TIMES_S == (0.0, 2.0, 4.0, 6.0, 8.0, 10.4)
+    assert evaluate.sheet_times(990) == (0.0, 4.0, 8.0, 12.0, 16.0, 19.6)       # 19.8 s: every 4 s
+    assert evaluate.sheet_times(300) == (0.0, 2.0, 4.0, 5.8)                    # 6 s
+    assert evaluate.sheet_times(50) == (0.0, 0.8)                               # 1 s

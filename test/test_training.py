@@ -324,6 +324,70 @@ def test_state_labels_train_in_place_of_the_script_labels(dataset, tmp_path):
         load_samples([copy], 32, 4, labels="state")
 
 
+def test_realtime_views_show_the_cameras_round_robin_and_a_newer_joint_state(dataset, tmp_path):
+    """--realtime-views: a drawn sample past the start pose is seen as the node sees the real-time robot — one
+    camera's frame at the sample's step, the others one and two render periods older (here the episode's
+    previous image: images every 106 steps, periods of 1 / (3 Hz · 20 ms) = 16.7 steps), the joint state up to
+    one period newer in its prompts; its actions and labels stay the sample's. Start-pose samples and a
+    training without the option see every sample as recorded, without drawing from the generator."""
+    from oxygen_ros.models import get_preset
+    from oxygen_ros.tools.demo_data import INSTRUCTION, read_episode
+    from oxygen_ros.training.data import compute_norm_stats, episode_files, load_samples
+    from oxygen_ros.training.train import (CAPTION_PROMPT, LOCATE_PROMPT, SUBTASK_PROMPT, Batches,
+                                           build_processor, train)
+
+    config = get_preset("pi05_demo", image_size=56)
+    files = episode_files(dataset)
+    samples = load_samples(files, config.image_size, config.action_horizon)
+    qpos = [read_episode(f).qpos.astype(np.float64) for f in files]
+    np.testing.assert_array_equal(samples.state_start, [0, len(qpos[0]), len(qpos[0]) + len(qpos[1])])
+    processor = build_processor(config, compute_norm_stats(samples))
+    idx = np.arange(len(samples))
+
+    recorded = Batches(samples, processor, 0, 0.5)
+    rng = np.random.default_rng(7)
+    before = rng.bit_generator.state
+    views = recorded.views(idx, rng)
+    assert rng.bit_generator.state == before                      # nothing drawn: the old batches, draw for draw
+    assert not views.realtime.any() and views.action_ids == recorded.action_ids
+    np.testing.assert_array_equal(views.rows, np.repeat(idx[:, None], 3, axis=1))
+
+    batches = Batches(samples, processor, 0, 0.5, locate=1.0 / 3.0, realtime_views=1.0)
+    io = batches._io
+    for seed in range(4):
+        views = batches.views(idx, np.random.default_rng(seed))
+        np.testing.assert_array_equal(views.realtime, samples.step > 0)
+        for b, i in enumerate(idx):
+            episode, step = samples.episode[i], samples.step[i]
+            if step == 0:
+                assert (views.rows[b] == i).all() and views.action_ids[b] == batches.action_ids[i]
+                continue
+            previous = i - 1                          # the same episode's image 106 steps earlier
+            assert samples.episode[previous] == episode and samples.step[previous] == step - 106
+            assert sorted(views.rows[b].tolist()) == sorted([i, previous, previous])
+            newer = [k for k in range(17) if np.array_equal(views.state[b], qpos[episode][step + k])]
+            assert newer, (i, views.state[b])          # the state of one of the next 16 steps (or the step's own)
+            assert views.action_ids[b] == io.prompt_ids(batches.action_template[i], INSTRUCTION, views.state[b])
+        prompts, targets, _ = batches.language(idx, np.random.default_rng(seed), views)
+        for b, i in enumerate(idx):
+            state = views.state[b]
+            assert prompts[b] in [io.prompt_ids(t, INSTRUCTION, state) for t in (SUBTASK_PROMPT, CAPTION_PROMPT,
+                                                                                 LOCATE_PROMPT)]
+            assert targets[b] in (batches.subtask_target[i], batches.caption_target[i], batches.locate_target[i])
+    rows = np.array([[1, 0, 1], [2, 2, 1]])
+    pixels = batches.pixels(idx[:2], "cpu", rows)                  # [B·C, 3, S, S]: camera c from sample rows[b, c]
+    for b in range(2):
+        for c in range(3):
+            image = torch.from_numpy(samples.pixels[rows[b, c], c]).float() / 255.0 * 2.0 - 1.0
+            torch.testing.assert_close(pixels[b * 3 + c], image.permute(2, 0, 1), rtol=0, atol=0)
+
+    summary = train(_config(dataset, tmp_path / "rt", realtime_views=1.0))
+    policy = json.loads((tmp_path / "rt" / "checkpoint" / "demo_policy.json").read_text())
+    assert policy["realtime_views"] == 1.0 and summary["config"]["realtime_views"] == 1.0
+    with pytest.raises(ValueError, match="realtime_views"):
+        train(_config(dataset, tmp_path / "bad", realtime_views=1.5))
+
+
 def test_bad_training_settings_raise(dataset, tmp_path):
     from oxygen_ros.training.train import train
 

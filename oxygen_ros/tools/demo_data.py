@@ -56,6 +56,7 @@ from gym_aloha.utils import sample_box_pose  # noqa: E402
 
 EE_SCENE = ASSETS_DIR / "bimanual_viperx_end_effector_transfer_cube.xml"
 CAMERAS = ("top", "left_wrist", "right_wrist")   # the demo's simulated robot's (sim_robot.CAMERAS)
+IMAGE_WIDTH, IMAGE_HEIGHT = 320, 240                # [px], the demo robot's default camera size
 # Images per second the demo's real-time robot renders in all (each ~110 ms of CPU), shared round robin by the
 # cameras the policy sees: 1 Hz each for three cameras (the demo's and the real-time evaluation's default).
 RENDER_RATE_HZ = 3.0
@@ -664,6 +665,13 @@ def perturbation(seed: int, steps: int, sigma: float) -> np.ndarray:
     return noise
 
 
+def _executed_targets(actions: np.ndarray, noise: np.ndarray, scale: float) -> np.ndarray:
+    """The targets a (perturbed) replay executes: the expert's ``actions`` plus ``scale`` × ``noise``
+    (:func:`perturbation`), float32 ``[T, 14]`` — one expression for the generator and the relabelling, so
+    that a relabelled file's replay executes bit for bit what its generation executed."""
+    return (actions + scale * noise).astype(np.float32)
+
+
 def project_labels(qpos: np.ndarray, nominal_qpos: np.ndarray, perturbed: np.ndarray) -> np.ndarray:
     """For each step, the step of the nominal (unperturbed) replay whose joint state is nearest: int ``[T]``.
 
@@ -737,7 +745,7 @@ def _replay(seed: int, targets: np.ndarray, image_every: int, width: int, height
     return _Replay(qpos, qvel, phases, captions, images, image_steps, rest, labels)
 
 
-def generate_episode(seed: int, image_every: int = 5, width: int = 320, height: int = 240,
+def generate_episode(seed: int, image_every: int = 5, width: int = IMAGE_WIDTH, height: int = IMAGE_HEIGHT,
                      cameras: tuple[str, ...] = CAMERAS, perturb: float = 0.0) -> Episode:
     """One demonstration: the expert's joint trajectory replayed in the demo robot's joint-space scene.
 
@@ -771,7 +779,7 @@ def generate_episode(seed: int, image_every: int = 5, width: int = 320, height: 
         nominal = _replay(seed, actions, len(actions), width, height, ())
         noise = perturbation(seed, len(actions), perturb)
         for scale in _PERTURB_RETRIES:
-            targets = (actions + scale * noise).astype(np.float32)
+            targets = _executed_targets(actions, noise, scale)
             trial = _replay(seed, targets, len(actions), width, height, ())
             if trial.phases[-1, 3]:
                 break
@@ -885,10 +893,10 @@ def relabel_episode(path: str | Path, perturb: float) -> Path:
             raise RuntimeError(f"{path}: the expert's trajectory for seed {seed} has {len(targets)} steps, "
                                f"the file {steps}")
         if scale > 0:
-            targets = (targets + scale * perturbation(seed, steps, perturb)).astype(np.float32)
+            targets = _executed_targets(targets, perturbation(seed, steps, perturb), scale)
     else:
         targets = qpos[:1]           # executed after the only recorded state: it does not matter which
-    run = _replay(seed, targets, steps, 320, 240, (), stop=stop)
+    run = _replay(seed, targets, steps, IMAGE_WIDTH, IMAGE_HEIGHT, (), stop=stop)   # no camera: any size
     if not np.array_equal(run.qpos, qpos[:stop]):
         raise RuntimeError(f"{path}: the replay's joint states differ from the file's (max "
                            f"{np.abs(run.qpos - qpos[:stop]).max():.3g}); generated with another --perturb "
@@ -900,6 +908,9 @@ def relabel_episode(path: str | Path, perturb: float) -> Path:
             del f["subtask_state"]
         f.create_dataset("subtask_state", data=labels)
     return path
+
+
+_RELABEL_NEEDS = ("observations/qpos", "observations/image_steps")   # read by relabel_episode (and attr "seed")
 
 
 def relabel_dataset(data_dir: str | Path, workers: int = 1, progress: bool = True) -> int:
@@ -922,24 +933,36 @@ def relabel_dataset(data_dir: str | Path, workers: int = 1, progress: bool = Tru
     for path in files:
         try:
             with h5py.File(path, "r") as f:
+                missing = [name for name in _RELABEL_NEEDS if name not in f]
+                missing += [] if "seed" in f.attrs else ["attribute seed"]
+                if missing:
+                    raise RuntimeError(f"{path}: not an episode of this generator (no {', '.join(missing)}); "
+                                       "regenerate it or remove it")
                 if "subtask_state" not in f:
                     todo.append(path)
         except OSError as error:                    # truncated or not HDF5
             raise RuntimeError(f"{path}: not a readable episode ({error}); regenerate it or remove it") from None
-    pool = None
-    if workers > 1 and len(todo) > 1:
-        import multiprocessing
-
-        pool = multiprocessing.get_context("spawn").Pool(min(workers, len(todo)))   # as generate_dataset
     jobs = [(path, perturb) for path in todo]
-    try:
-        for _ in tqdm(pool.imap_unordered(_relabel_job, jobs) if pool else map(_relabel_job, jobs),
-                      total=len(jobs), desc="state labels", unit="episode", disable=not progress):
-            pass
-    finally:
-        if pool is not None:
-            pool.terminate()
+    for _ in tqdm(_in_processes(_relabel_job, jobs, workers), total=len(jobs), desc="state labels",
+                  unit="episode", disable=not progress):
+        pass
     return len(todo)
+
+
+def _in_processes(function, jobs: list, workers: int):
+    """Yield ``function(job)`` for each of ``jobs``, in order: in this process when ``workers`` <= 1 or
+    there is one job, else in a pool of ``min(workers, len(jobs))`` spawned processes (not forked: MuJoCo's
+    GL context does not survive a fork), terminated when the caller stops iterating or an error escapes."""
+    if workers <= 1 or len(jobs) <= 1:
+        yield from map(function, jobs)
+        return
+    import multiprocessing
+
+    pool = multiprocessing.get_context("spawn").Pool(min(workers, len(jobs)))
+    try:
+        yield from pool.imap(function, jobs)
+    finally:
+        pool.terminate()
 
 
 def _relabel_job(job: tuple) -> Path:
@@ -970,8 +993,9 @@ def _generate_and_write(job: tuple) -> dict:
             "seconds": round(time.perf_counter() - start, 3)}
 
 
-def generate_dataset(out_dir: str | Path, episodes: int, seed: int = 0, image_every: int = 5, width: int = 320,
-                     height: int = 240, progress: bool = True, workers: int = 1, perturb: float = 0.0) -> dict:
+def generate_dataset(out_dir: str | Path, episodes: int, seed: int = 0, image_every: int = 5,
+                     width: int = IMAGE_WIDTH, height: int = IMAGE_HEIGHT, progress: bool = True, workers: int = 1,
+                     perturb: float = 0.0) -> dict:
     """Generate ``episodes`` demonstrations (cube seeds ``seed .. seed + episodes - 1``) into ``out_dir``
     as ``episode_<i>.hdf5`` plus ``dataset.json`` (the recipe, each episode's outcome, the expert's
     success rate per phase with its 95 % Wilson interval, and the measured seconds per episode).
@@ -995,23 +1019,15 @@ def generate_dataset(out_dir: str | Path, episodes: int, seed: int = 0, image_ev
     jobs = [(i, seed + i, image_every, width, height, str(out), perturb) for i in range(episodes)]
     bar = tqdm(total=episodes, desc="demonstrations", unit="episode", disable=not progress)
     # Each episode depends only on its own seed, so a pool of processes gives the same files as one
-    # process (rendering is single-threaded: one worker per core). Spawned, not forked: MuJoCo's GL
-    # context does not survive a fork.
-    pool = None
-    if workers > 1:
-        import multiprocessing
-
-        pool = multiprocessing.get_context("spawn").Pool(min(workers, episodes))
+    # process (rendering is single-threaded: one worker per core).
     try:
-        for record in (pool.imap(_generate_and_write, jobs) if pool else map(_generate_and_write, jobs)):
+        for record in _in_processes(_generate_and_write, jobs, workers):
             records.append(record)
             bar.update(1)
             done = sum(r["outcome"]["transferred"] for r in records)
             bar.set_postfix(transferred=f"{done}/{len(records)}")
     finally:
         bar.close()
-        if pool is not None:
-            pool.terminate()
     success = {}
     for phase in PHASES:
         k = sum(r["outcome"][phase] for r in records)
@@ -1037,8 +1053,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("runs/demo-data"), help="output directory (default runs/demo-data)")
     parser.add_argument("--image-every", type=int, default=5,
                         help="render the cameras every N control steps of 20 ms (default 5: 10 Hz)")
-    parser.add_argument("--width", type=int, default=320, help="image width [px] (default 320, the demo robot's)")
-    parser.add_argument("--height", type=int, default=240, help="image height [px] (default 240)")
+    parser.add_argument("--width", type=int, default=IMAGE_WIDTH,
+                        help=f"image width [px] (default {IMAGE_WIDTH}, the demo robot's)")
+    parser.add_argument("--height", type=int, default=IMAGE_HEIGHT, help=f"image height [px] (default {IMAGE_HEIGHT})")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="episodes generated in parallel processes (default: the number of CPUs; "
                              "the files do not depend on it)")

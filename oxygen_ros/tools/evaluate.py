@@ -79,7 +79,18 @@ CAMERAS = demo_data.CAMERAS
 NODE_NAME = "oxygen_node"
 EPISODE_STEPS = 530                  # 10.6 s at 50 Hz, as the demonstrations
 SETTLE_S = demo_data._SETTLE_S       # the cube drops onto the table first (as in the data)
-SHEET_TIMES_S = (0.0, 2.0, 4.0, 6.0, 8.0, 10.4)   # contact sheet frames, sim time after the settle [s]
+SHEET_TIMES_S = (0.0, 2.0, 4.0, 6.0, 8.0, 10.4)   # contact sheet frames of a default episode, after the settle [s]
+
+
+def sheet_times(max_steps: int = EPISODE_STEPS) -> tuple[float, ...]:
+    """The contact sheet's six frame times [s after the settle] for an episode of ``max_steps`` control steps:
+    :data:`SHEET_TIMES_S` for the default 530 (10.6 s), else five evenly spaced from 0 at a multiple of 2 s and
+    the last 0.2 s before the end (e.g. 990 steps, 19.8 s: 0, 4, 8, 12, 16, 19.6 s)."""
+    end = max_steps * DT
+    if max_steps == EPISODE_STEPS:
+        return SHEET_TIMES_S
+    spacing = 2.0 * max(1, round(end / (EPISODE_STEPS * DT)))
+    return tuple(k * spacing for k in range(5) if k * spacing < end - 0.2 - 1e-9) + (round(max(0.0, end - 0.2), 6),)
 EPISODE_CLOCK_S = 1000.0             # node-lockstep: episode i's sim clock starts at (i + 1) x this [s]
 ENSEMBLE_MAX_CHUNKS = 64             # --ensemble: chunks kept; ≥ ceil(H / execute_steps) for H ≤ 64 at any schedule
 
@@ -114,12 +125,15 @@ class EpisodeSim:
 
     Args:
         seed: cube pose seed; clock_offset_s: the sim clock at the scene's time 0 [s];
-        width, height: camera image size [px].
+        width, height: camera image size [px]; max_steps: the episode's length in control steps (the contact
+        sheet's frame times, :func:`sheet_times`).
     """
 
-    def __init__(self, seed: int, clock_offset_s: float = 0.0, width: int = 320, height: int = 240):
+    def __init__(self, seed: int, clock_offset_s: float = 0.0, width: int = 320, height: int = 240,
+                 max_steps: int = EPISODE_STEPS):
         from oxygen_ros.tools.sim_robot import AlohaScene
 
+        self.sheet_times = sheet_times(max_steps)
         self.seed = seed
         self.clock_offset_s = clock_offset_s
         self.scene = AlohaScene(width=width, height=height, seed=seed)
@@ -155,7 +169,7 @@ class EpisodeSim:
         self.observed.append(record)
         images = {camera: self.scene.render(camera) for camera in cameras}
         since = self.scene.sim_time - SETTLE_S
-        due = [s for s in SHEET_TIMES_S if s <= since + 1e-9]
+        due = [s for s in self.sheet_times if s <= since + 1e-9]
         if len(due) > len(self.sheet):
             top = images["top"] if "top" in images else self.scene.render("top")
             self.sheet.append((since, top[::2, ::2].copy(), record.subtask, record.flags))
@@ -380,7 +394,7 @@ def run_sync_episode(policy, seed: int, execute_steps: int, max_steps: int = EPI
         ValueError: ``ensemble_m`` not finite.
     """
     chunk_executor = ChunkExecutor(ensemble_m, ENSEMBLE_MAX_CHUNKS, index_rule="round")
-    sim = EpisodeSim(seed, 0.0, width, height)
+    sim = EpisodeSim(seed, 0.0, width, height, max_steps)
     policy.start(seed)
     speech, memory, latencies, inference = [], [], [], []
     wall = time.perf_counter()
@@ -460,7 +474,7 @@ def _lockstep_worker(spec: dict) -> int:
         ns = round(t * 1e9)
         return Time(sec=ns // 10**9, nanosec=ns % 10**9)
 
-    sim = EpisodeSim(spec["seed"], spec["clock_offset_s"])
+    sim = EpisodeSim(spec["seed"], spec["clock_offset_s"], max_steps=spec["max_steps"])
     chunk_executor = ChunkExecutor(spec.get("ensemble_m", 0.0), ENSEMBLE_MAX_CHUNKS, index_rule="round")
     latencies, frames, aborted = [], [], None    # frames: (stamp t [s], frame to chunk [s], sends of the inputs)
     wall = time.perf_counter()
@@ -572,6 +586,7 @@ def _realtime_worker(spec: dict) -> int:
     flags, samples, sheet, distances = [], [], [], []
     rest = None
     end_s = SETTLE_S + spec["max_steps"] * DT
+    times = sheet_times(spec["max_steps"])
     wall = time.perf_counter()
     chunks0 = robot.chunks_received
     try:
@@ -588,7 +603,7 @@ def _realtime_worker(spec: dict) -> int:
                 samples.append({"t": now, "subtask": ground_truth_subtask(state, rest, position),
                                 "caption": scene_caption(state), "flags": f})
                 since = scene.sim_time - SETTLE_S
-                if len([s for s in SHEET_TIMES_S if s <= since + 1e-9]) > len(sheet) and latest_top:
+                if len([s for s in times if s <= since + 1e-9]) > len(sheet) and latest_top:
                     sheet.append((since, latest_top[0][::2, ::2].copy(), samples[-1]["subtask"], f))
             time.sleep(DT)
         record = {"seed": spec["seed"], "rest_height": rest, "flags": flags, "right_distance": distances,

@@ -55,6 +55,9 @@ class DemoSamples:
             the same in every episode and only the images say where the cube is).
         files: the episode files read.
         all_states, all_actions: float64 ``[M, 14]`` every step of every episode (for statistics).
+        state_start: int64 ``[E + 1]`` where each episode's steps begin in ``all_states`` (episode ``e``'s joint
+            state at step ``k`` is ``all_states[state_start[e] + k]``, ``k < state_start[e + 1] − state_start[e]``);
+            None when not known (samples built by hand).
     """
 
     pixels: np.ndarray
@@ -68,6 +71,7 @@ class DemoSamples:
     files: list[Path]
     all_states: np.ndarray
     all_actions: np.ndarray
+    state_start: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.state)
@@ -170,7 +174,8 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
                        subtask=np.asarray(subtask, np.int64), caption=caption,
                        cube_start=np.asarray(cube, np.float64).reshape(-1, 3),
                        episode=np.asarray(episode, np.int64), step=np.asarray(step, np.int64), files=list(files),
-                       all_states=np.concatenate(all_states), all_actions=np.concatenate(all_actions))
+                       all_states=np.concatenate(all_states), all_actions=np.concatenate(all_actions),
+                       state_start=np.concatenate([[0], np.cumsum([len(x) for x in all_states])]).astype(np.int64))
 
 
 def _stats(x: np.ndarray) -> NormStats:

@@ -26,7 +26,9 @@ Each sample contributes its action loss and one language loss: a sample whose cu
 the location with probability ``locate`` (default 1/3), otherwise the subtask or the caption with equal
 probability. Samples of the first two subtasks (reaching and grasping, where the cube's position decides the
 motion) appear ``approach_repeat`` times (default 2) in each pass over the training samples. The prefix is one bidirectional block (images + prompt) and the target text tokens are
-causal blocks after it, exactly the masks the engine's prefill and decode steps use. Gradients reach
+causal blocks after it, exactly the masks the engine's prefill and decode steps use. With ``realtime_views`` p, a
+drawn sample past the start pose is seen with probability p as the node sees the demo's real-time robot (cameras
+rendered round robin, so of different ages; a newer joint state): :meth:`Batches.views`. Gradients reach
 every weight: the SigLIP tower, the projector, the VLM and its tied embedding, the action expert.
 
 Output (``--out``, default ``runs/train-demo``): ``checkpoint/`` in the openpi layout the loader reads
@@ -62,7 +64,7 @@ from oxygen_ros.models.tokenizer import load_tokenizer
 from oxygen_ros.models.vla import VLAModel
 # ON_TABLE_CAPTION starts the captions of a cube lying untouched on the table: there it is still at its start
 # position, the location target's ground truth.
-from oxygen_ros.tools.demo_data import INSTRUCTION, JOINTS, ON_TABLE_CAPTION, SUBTASKS
+from oxygen_ros.tools.demo_data import DT, INSTRUCTION, JOINTS, ON_TABLE_CAPTION, RENDER_RATE_HZ, SUBTASKS
 from oxygen_ros.training.data import (CAMERA_SLOTS, SUBTASK_LABELS, DataMismatchError, DemoSamples,
                                       compute_norm_stats, episode_files, load_samples)
 
@@ -98,6 +100,7 @@ class TrainConfig:
     approach_repeat: int = 2
     start_repeat: int = 1
     subtask_labels: str = "script"
+    realtime_views: float = 0.0
     init_from: Path | None = None
     image_stride: int = 1
     cameras: tuple[str, ...] = tuple(CAMERA_SLOTS)
@@ -122,6 +125,8 @@ class TrainConfig:
             raise ValueError(f"locate must be in [0, 1], got {self.locate}")
         if self.start_locate is not None and not 0.0 <= self.start_locate <= 1.0:
             raise ValueError(f"start_locate must be in [0, 1], got {self.start_locate}")
+        if not 0.0 <= self.realtime_views <= 1.0:
+            raise ValueError(f"realtime_views must be in [0, 1], got {self.realtime_views}")
         if self.subtask_labels not in SUBTASK_LABELS:
             raise ValueError(f"subtask_labels must be one of {SUBTASK_LABELS}, got {self.subtask_labels!r}")
         if not self.lr > 0:
@@ -244,29 +249,61 @@ def training_pool(samples: DemoSamples, pool: np.ndarray, approach_repeat: int, 
     return np.concatenate([repeated] + [starts] * (start_repeat - 1))
 
 
+@dataclasses.dataclass
+class Views:
+    """How the samples of one batch are seen (:meth:`Batches.views`).
+
+    Attributes:
+        rows: int ``[B, C]`` per sample and camera, the sample whose image of that camera it sees (itself
+            for a sample seen as recorded).
+        state: float64 ``[B, 14]`` the joint state its prompts carry.
+        realtime: bool ``[B]`` whether it is seen with the real-time robot's timing.
+        action_ids: per sample, the action prompt's token ids.
+    """
+
+    rows: np.ndarray
+    state: np.ndarray
+    realtime: np.ndarray
+    action_ids: list[list[int]]
+
+
 class Batches:
     """Tokenised, normalised tensors of every sample, and seeded batches of them.
 
     Prompts are built by the engine's own :class:`~oxygen_ros.engine.model_io.ProcessorIO` from the conventions the checkpoint
     will be served with, so the tokens match the node's byte for byte.
+
+    ``realtime_views`` (0 .. 1) is the probability that a drawn sample past the start pose is seen as the node
+    sees the demo's real-time robot (:meth:`views`).
+
+    Raises:
+        ValueError: ``realtime_views`` > 0 on samples without ``state_start`` (every step's joint state).
     """
 
     def __init__(self, samples: DemoSamples, processor: Processor, seed: int, subtask_in_action_prompt: float,
-                 locate: float = 0.0, start_locate: float | None = None):
+                 locate: float = 0.0, start_locate: float | None = None, realtime_views: float = 0.0):
         self.samples = samples
         self.processor = processor
         mp = ProcessorIO(processor)
+        self._io = mp
+        if realtime_views > 0 and samples.state_start is None:
+            raise ValueError("realtime_views needs every step's joint state (DemoSamples.state_start)")
+        self.realtime_views = realtime_views
+        # per episode its samples' rows, in step order (load_samples appends an episode's image steps in order)
+        self._episode_rows = [np.flatnonzero(samples.episode == e) for e in range(int(samples.episode.max()) + 1)] \
+            if len(samples) else []
         conv = processor.conventions
         rng = np.random.default_rng(seed)
         tokenizer = processor.tokenizer
         eos = tokenizer.eos_id
         n = len(samples)
         action_template = conv.action_prompt.template
-        self.action_ids = []
+        self.action_ids, self.action_template = [], []
         for i in range(n):
             template = action_template
             if rng.random() < subtask_in_action_prompt:
                 template = ACTION_SUBTASK_PROMPT.replace("{subtask}", SUBTASKS[samples.subtask[i]])
+            self.action_template.append(template)
             self.action_ids.append(mp.prompt_ids(template, INSTRUCTION, samples.state[i]))
         self.subtask_prompt = [mp.prompt_ids(SUBTASK_PROMPT, INSTRUCTION, s) for s in samples.state]
         self.caption_prompt = [mp.prompt_ids(CAPTION_PROMPT, INSTRUCTION, s) for s in samples.state]
@@ -299,25 +336,76 @@ class Batches:
             out.append(self._order.pop())
         return np.asarray(out)
 
-    def pixels(self, idx: np.ndarray, device) -> torch.Tensor:
-        """float ``[B·C, 3, S, S]`` in [-1, 1] (per sample the trained cameras, in slot order)."""
-        x = torch.from_numpy(self.samples.pixels[idx]).to(device)        # [B, C, S, S, 3] uint8
+    def views(self, idx: np.ndarray, rng: np.random.Generator) -> Views:
+        """How each sample of ``idx`` is seen in this draw: as recorded, or — with probability
+        ``realtime_views``, for samples past the start pose — with the timing the node gets from the demo's
+        real-time robot (``tools/sim_robot.py``; the real-time evaluation and ``make demo``).
+
+        That robot renders its C cameras round robin, ``RENDER_RATE_HZ`` images per second in all, and publishes
+        the joint state at 50 Hz; the node stamps an observation with its newest frame and feeds the newest joint
+        state. So at stamp t (this sample's step: its actions and labels stay the sample's) the cameras' frames
+        are 0, 1, …, C − 1 render periods (1 / ``RENDER_RATE_HZ`` s) old, in an order drawn at random here, and
+        the joint state is up to one render period newer than t (uniform, in control steps). A camera's frame is
+        the episode's latest rendered image at or before its age (images are rendered every few control steps, so
+        up to one image period older; the episode's first image before its first). Random draws come from
+        ``rng`` only when ``realtime_views`` > 0, so the batches of a training without it are unchanged.
+        """
+        samples = self.samples
+        cameras = samples.pixels.shape[1]
+        rows = np.repeat(np.asarray(idx)[:, None], cameras, axis=1)
+        state = samples.state[idx].copy()
+        realtime = np.zeros(len(idx), bool)
+        if self.realtime_views > 0:
+            period = 1.0 / (RENDER_RATE_HZ * DT)                    # control steps between two renders
+            for b, i in enumerate(idx):
+                if samples.step[i] == 0 or rng.random() >= self.realtime_views:
+                    continue
+                realtime[b] = True
+                episode, step = samples.episode[i], samples.step[i]
+                episode_rows = self._episode_rows[episode]
+                steps = samples.step[episode_rows]
+                ages = rng.permutation(cameras) * period
+                for c in range(cameras):
+                    j = int(np.searchsorted(steps, step - ages[c], side="right")) - 1
+                    rows[b, c] = episode_rows[max(j, 0)]
+                newer = int(rng.integers(0, int(period) + 1))
+                first, end = samples.state_start[episode], samples.state_start[episode + 1]
+                state[b] = samples.all_states[min(first + step + newer, end - 1)]
+        action_ids = [self._io.prompt_ids(self.action_template[i], INSTRUCTION, state[b]) if realtime[b]
+                      else self.action_ids[i] for b, i in enumerate(idx)]
+        return Views(rows=rows, state=state, realtime=realtime, action_ids=action_ids)
+
+    def pixels(self, idx: np.ndarray, device, rows: np.ndarray | None = None) -> torch.Tensor:
+        """float ``[B·C, 3, S, S]`` in [-1, 1] (per sample the trained cameras, in slot order); ``rows`` (int
+        ``[B, C]``, :attr:`Views.rows`): the sample whose image each camera shows (default: the sample's own)."""
+        if rows is None:
+            x = torch.from_numpy(self.samples.pixels[idx]).to(device)    # [B, C, S, S, 3] uint8
+        else:
+            cameras = np.arange(self.samples.pixels.shape[1])[None, :]
+            x = torch.from_numpy(self.samples.pixels[rows, cameras]).to(device)
         b, c, s = x.shape[:3]
         return (x.float() / 255.0 * 2.0 - 1.0).permute(0, 1, 4, 2, 3).reshape(b * c, 3, s, s)
 
-    def language(self, idx: np.ndarray, rng: np.random.Generator) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+    def language(self, idx: np.ndarray, rng: np.random.Generator, views: Views | None = None
+                 ) -> tuple[list[list[int]], list[list[int]], list[bool]]:
         """Per sample: the prompt, the target tokens and whether it is the subtask (else the caption or,
         where the cube lies on the table, with probability ``locate`` — ``start_locate`` at the start pose — the
-        cube's location)."""
+        cube's location). With ``views``, a sample seen in real time has its prompt carry the view's state."""
         prompts, targets, is_subtask = [], [], []
-        for i in idx:
+        for b, i in enumerate(idx):
+            realtime = views is not None and views.realtime[b]
+
+            def prompt(template: str, recorded: list[int]) -> list[int]:
+                return self._io.prompt_ids(template, INSTRUCTION, views.state[b]) if realtime else recorded
+
             if self.locate_target[i] is not None and rng.random() < self.locate_p[i]:
-                prompts.append(self.locate_prompt[i])
+                prompts.append(prompt(LOCATE_PROMPT, self.locate_prompt[i]))
                 targets.append(self.locate_target[i])
                 is_subtask.append(False)
                 continue
             sub = bool(rng.random() < 0.5)
-            prompts.append(self.subtask_prompt[i] if sub else self.caption_prompt[i])
+            prompts.append(prompt(SUBTASK_PROMPT, self.subtask_prompt[i]) if sub
+                           else prompt(CAPTION_PROMPT, self.caption_prompt[i]))
             targets.append(self.subtask_target[i] if sub else self.caption_target[i])
             is_subtask.append(sub)
         return prompts, targets, is_subtask
@@ -541,7 +629,7 @@ def train(config: TrainConfig) -> dict:
     stats = compute_norm_stats(samples) if config.init_from is None else load_norm_stats(norm_stats_file(config.init_from))
     processor = build_processor(model_config, stats, config.cameras)
     batches = Batches(samples, processor, config.seed, config.subtask_in_action_prompt, config.locate,
-                      config.start_locate)
+                      config.start_locate, config.realtime_views)
     val_files = set(range(len(files) - config.val_episodes, len(files)))
     is_val = np.isin(samples.episode, list(val_files))
     train_pool, val_pool = np.flatnonzero(~is_val), np.flatnonzero(is_val)
@@ -558,6 +646,7 @@ def train(config: TrainConfig) -> dict:
                                    {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(config.seed + 2)
     lang_rng = np.random.default_rng(config.seed + 3)
+    view_rng = np.random.default_rng(config.seed + 5)
     history, window = [], []
     config.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -566,10 +655,11 @@ def train(config: TrainConfig) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, config)
         idx = batches.indices(config.batch_size, sampled_pool)
-        image_tokens = model._encode(batches.pixels(idx, model.device)).reshape(len(idx), -1, model_config.vlm_width)
-        flow = flow_matching_loss(model, image_tokens, [batches.action_ids[i] for i in idx],
-                                  batches.actions[idx].to(model.device), gen)
-        prompts, targets, _ = batches.language(idx, lang_rng)
+        views = batches.views(idx, view_rng)
+        image_tokens = model._encode(batches.pixels(idx, model.device, views.rows)).reshape(
+            len(idx), -1, model_config.vlm_width)
+        flow = flow_matching_loss(model, image_tokens, views.action_ids, batches.actions[idx].to(model.device), gen)
+        prompts, targets, _ = batches.language(idx, lang_rng, views)
         text, correct = text_loss(model, image_tokens, prompts, targets)
         loss = flow + config.text_weight * text
         if not torch.isfinite(loss):
@@ -614,7 +704,7 @@ def train(config: TrainConfig) -> dict:
         "subtask_in_action_prompt": config.subtask_in_action_prompt,
         "locate_prompt": LOCATE_PROMPT, "locate": config.locate, "start_locate": config.start_locate,
         "approach_repeat": config.approach_repeat, "start_repeat": config.start_repeat,
-        "subtask_labels": config.subtask_labels,
+        "subtask_labels": config.subtask_labels, "realtime_views": config.realtime_views,
         "training": {k: summary[k] for k in ("episodes", "extra_episodes", "train_samples", "start_samples",
                                              "init_from", "parameters", "seconds", "seconds_per_step", "final",
                                              "evaluation")}}, config.cameras)
@@ -693,6 +783,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                         help="the subtask labels trained on: script (the expert's, default) or state (the "
                              "evaluation's ground-truth rule on each recorded state, /subtask_state; older data: "
                              "python -m oxygen_ros.tools.demo_data --relabel DIR)")
+    parser.add_argument("--realtime-views", type=float, default=d.realtime_views,
+                        help="probability that a sample past the start pose is seen with the real-time robot's "
+                             "timing: cameras rendered round robin (frames 0, 1, 2 render periods old), the joint "
+                             "state up to a period newer (default 0: as recorded)")
     parser.add_argument("--init-from", type=Path, default=None, metavar="CHECKPOINT",
                         help="continue training from this checkpoint directory's weights and normalisation "
                              "statistics (same preset, --image-size, --crop and --cameras; default: a fresh start)")
@@ -734,6 +828,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                          subtask_in_action_prompt=args.subtask_in_action_prompt, locate=args.locate,
                          start_locate=args.start_locate, approach_repeat=args.approach_repeat,
                          start_repeat=args.start_repeat, subtask_labels=args.subtask_labels,
+                         realtime_views=args.realtime_views,
                          init_from=args.init_from, image_stride=args.image_stride,
                          cameras=tuple(c.strip() for c in args.cameras.split(",") if c.strip()),
                          image_size=args.image_size, crops=tuple(crops),
