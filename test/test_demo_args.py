@@ -57,6 +57,16 @@ def test_non_positive_durations_are_usage_errors(demo, argv, capsys):
     assert exit_info.value.code == 2 and "must be > 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("seed", ["-1", str(2 ** 32)])
+def test_a_cube_seed_out_of_range_is_a_usage_error(demo, seed, capsys):
+    """gym-aloha seeds NumPy with the cube seed (unsigned 32-bit): refused before any process starts, not as
+    a traceback in the simulated robot's log."""
+    with pytest.raises(SystemExit) as exit_info:
+        demo.parse_args(["--seed", seed])
+    assert exit_info.value.code == 2 and "--seed must be >= 0" in capsys.readouterr().err
+    assert demo.parse_args(["--seed", str(2 ** 32 - 1)]).seed == 2 ** 32 - 1
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--episodes", "0"], "--episodes must be >= 1"), (["--workers", "0"], "--workers must be >= 1"),
     (["--image-every", "0"], "--image-every must be >= 1"), (["--width", "0"], "--width must be >= 1"),

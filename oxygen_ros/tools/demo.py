@@ -239,6 +239,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("duration", "startup_timeout", "max_duration"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0 s, got {getattr(args, name)}")
+    problem = demo_data.seed_range_problem("--seed", args.seed, 1)    # checked here, not in the robot's process
+    if problem:
+        parser.error(problem)
     defaults = dict(RANDOM_WEIGHTS) if args.random_weights else {
         "preset": "pi05_demo", "checkpoint": str(demo_policy_dir()), "instruction": None,
         "language_prompt": None, "control_rate": 4.0, "speech_every": 1.0}
