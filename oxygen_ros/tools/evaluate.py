@@ -80,19 +80,18 @@ NODE_NAME = "oxygen_node"
 EPISODE_STEPS = 530                  # 10.6 s at 50 Hz, as the demonstrations
 SETTLE_S = demo_data._SETTLE_S       # the cube drops onto the table first (as in the data)
 SHEET_TIMES_S = (0.0, 2.0, 4.0, 6.0, 8.0, 10.4)   # contact sheet frames of a default episode, after the settle [s]
+EPISODE_CLOCK_S = 1000.0             # node-lockstep: episode i's sim clock starts at (i + 1) x this [s]
+ENSEMBLE_MAX_CHUNKS = 64             # --ensemble: chunks kept; ≥ ceil(H / execute_steps) for H ≤ 64 at any schedule
 
 
 def sheet_times(max_steps: int = EPISODE_STEPS) -> tuple[float, ...]:
-    """The contact sheet's six frame times [s after the settle] for an episode of ``max_steps`` control steps:
-    :data:`SHEET_TIMES_S` for the default 530 (10.6 s), else five evenly spaced from 0 at a multiple of 2 s and
-    the last 0.2 s before the end (e.g. 990 steps, 19.8 s: 0, 4, 8, 12, 16, 19.6 s)."""
+    """The contact sheet's frame times [s after the settle] for an episode of ``max_steps`` control steps: up to
+    five from 0 every 2 s × the episode's length in default episodes (rounded, at least 1), those before its last
+    0.2 s, then 0.2 s before its end — :data:`SHEET_TIMES_S` for the default 530 steps (10.6 s); 990 steps (19.8 s):
+    0, 4, 8, 12, 16, 19.6 s; 300 steps (6 s): 0, 2, 4, 5.8 s."""
     end = max_steps * DT
-    if max_steps == EPISODE_STEPS:
-        return SHEET_TIMES_S
     spacing = 2.0 * max(1, round(end / (EPISODE_STEPS * DT)))
     return tuple(k * spacing for k in range(5) if k * spacing < end - 0.2 - 1e-9) + (round(max(0.0, end - 0.2), 6),)
-EPISODE_CLOCK_S = 1000.0             # node-lockstep: episode i's sim clock starts at (i + 1) x this [s]
-ENSEMBLE_MAX_CHUNKS = 64             # --ensemble: chunks kept; ≥ ceil(H / execute_steps) for H ≤ 64 at any schedule
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -289,9 +289,10 @@ class Batches:
         if realtime_views > 0 and samples.state_start is None:
             raise ValueError("realtime_views needs every step's joint state (DemoSamples.state_start)")
         self.realtime_views = realtime_views
-        # per episode its samples' rows, in step order (load_samples appends an episode's image steps in order)
+        # per episode its samples' rows, in step order (load_samples appends an episode's image steps in order);
+        # only the real-time views read them
         self._episode_rows = [np.flatnonzero(samples.episode == e) for e in range(int(samples.episode.max()) + 1)] \
-            if len(samples) else []
+            if realtime_views > 0 and len(samples) else []
         conv = processor.conventions
         rng = np.random.default_rng(seed)
         tokenizer = processor.tokenizer
