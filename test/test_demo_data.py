@@ -199,6 +199,121 @@ def test_state_labels_are_the_evaluation_rule_and_relabel_adds_them_to_older_fil
         dd.relabel_dataset(empty, progress=False)
 
 
+def test_right_arm_offset_moves_the_grasp_point_and_keeps_the_orientation(episode):
+    """The near-miss offset in joint space: the grasp point lands ``offset`` away (to a millimetre), the gripper's
+    orientation turns only a few degrees, and the nearly coaxial wrist joints do not spin."""
+    pytest.importorskip("gym_aloha")
+    import mujoco
+
+    from oxygen_ros.tools import demo_data as dd
+    from oxygen_ros.tools.sim_robot import _ARM_QPOS, SCENE
+
+    model = mujoco.MjModel.from_xml_path(str(SCENE))
+    data = mujoco.MjData(model)
+    body = model.body("vx300s_right/gripper_link").id
+    addresses = np.arange(model.nq)[_ARM_QPOS[1]]
+
+    def pose(q):
+        data.qpos[addresses] = q
+        mujoco.mj_kinematics(model, data)
+        return data.xpos[body] + dd._quat_rotate(data.xquat[body], dd._GRASP_OFFSET), data.xquat[body].copy()
+
+    at = int(round(dd.MISS_AT_S / dd.DT))
+    joints = episode.action[at, 7:13].astype(np.float64)
+    point, quat = pose(joints)
+    for offset in ([0.04, 0.02, 0.01], [-0.05, 0.0, 0.0], [0.0, -0.06, 0.02]):
+        moved = dd.right_arm_offset(joints, np.array(offset))
+        new_point, new_quat = pose(moved)
+        np.testing.assert_allclose(new_point - point, offset, atol=1e-3)
+        turn = 2 * np.degrees(np.arccos(min(1.0, abs(float(quat @ new_quat)))))
+        assert turn < 10.0, turn
+        assert np.abs(moved - joints).max() < 0.5
+
+
+def test_miss_targets_by_hand():
+    """The executed targets of a near miss: the offset grows over the ramp, holds, shrinks back onto the expert's
+    step, then the expert's steps go on; the grippers are the expert's; each step knows its nominal step."""
+    from oxygen_ros.tools import demo_data as dd
+
+    actions = np.arange(10 * 14, dtype=np.float32).reshape(10, 14)
+    delta = np.arange(1.0, 7.0)
+    targets, own, off = dd.miss_targets(actions, at=4, delta=delta, hold=2, correct=2, ramp=2)
+    np.testing.assert_array_equal(own, [0, 1, 2, 3, 4, 4, 4, 4, 4, 5, 6, 7, 8, 9])
+    weight = (targets[:, 7:13] - actions[own, 7:13]) / delta
+    np.testing.assert_allclose(weight[:, 0], [0, 0, 0.5, 1, 1, 1, 0.5, 0, 0, 0, 0, 0, 0, 0], atol=1e-6)
+    np.testing.assert_allclose(weight, np.repeat(weight[:, :1], 6, axis=1), atol=1e-6)
+    np.testing.assert_array_equal(off, weight[:, 0] > 1e-6)
+    np.testing.assert_array_equal(np.delete(targets, np.s_[7:13], axis=1), np.delete(actions[own], np.s_[7:13], axis=1))
+    for bad in ({"at": 0}, {"at": 10}, {"hold": 0}, {"correct": 0}, {"ramp": 0}):
+        args = {"at": 4, "delta": delta, "hold": 2, "correct": 2, "ramp": 2, **bad}
+        with pytest.raises(ValueError, match="need 0 < at"):
+            dd.miss_targets(actions, **args)
+    # project_labels around each step's own nominal step: a held state maps near the held step
+    nominal = np.outer(np.arange(10.0), np.ones(14)) * 0.1
+    states = nominal[own]
+    np.testing.assert_array_equal(dd.project_labels(states, nominal, np.ones(len(own), bool), own), own)
+
+
+def test_near_miss_episode_hovers_beside_the_cube_then_transfers(episode, tmp_path):
+    """A near-miss demonstration: longer than the expert's by the hover and the correction, its offset drawn from
+    the seed within the documented ranges, still a miss at the end of the hover, the cube still transferred;
+    the labels are the expert's targets near each step's own time (from the hover: leading onto the cube), the
+    state labels say "move the right arm to the cube" while the grasp point is away; deterministic; the HDF5
+    file keeps the miss, and the relabelling refuses such a file."""
+    h5py = pytest.importorskip("h5py")
+    from oxygen_ros.tools import demo_data as dd
+
+    miss = dd.generate_miss_episode(SEED, image_every=IMAGE_EVERY, cameras=())
+    assert miss.miss_offset is not None
+    at, hold, correct, ramp = (int(x) for x in miss.miss_steps)
+    assert at == round(dd.MISS_AT_S / dd.DT) and correct == round(dd.MISS_CORRECT_S / dd.DT)
+    assert dd.MISS_HOLD_S[0] - dd.DT <= hold * dd.DT <= dd.MISS_HOLD_S[1] + dd.DT
+    horizontal = float(np.hypot(*miss.miss_offset[:2]))
+    assert dd.MISS_DISTANCE[0] <= horizontal <= dd.MISS_DISTANCE[1]
+    assert dd.MISS_RISE[0] <= miss.miss_offset[2] <= dd.MISS_RISE[1]
+    steps = len(episode.action)
+    assert len(miss.action) == len(miss.qpos) == steps + hold + correct
+    assert bool(miss.phases[-1, 3]) and not miss.phases[at + hold - 1, 0]
+    assert miss.perturb_scale == 0.0 and miss.state_subtask is not None
+    # before the ramp the replay is the expert's own, step for step
+    np.testing.assert_array_equal(miss.qpos[:at - ramp], episode.qpos[:at - ramp])
+    expert = {row.tobytes(): k for k, row in enumerate(episode.action)}
+    index = np.array([expert[row.tobytes()] for row in miss.action])
+    np.testing.assert_array_equal(index[:at - ramp], np.arange(at - ramp))
+    own = np.concatenate([np.arange(at), np.full(hold + correct, at), np.arange(at, steps)])
+    assert np.abs(index - own).max() <= dd._PROJECT_WINDOW
+    np.testing.assert_array_equal(miss.subtask, episode.subtask[index])
+    # the hover's labels are targets of the expert's descent (its first steps may map a few steps into the
+    # gripper's closing, the arm still settling), and the state rule says the arm has not reached the cube at the
+    # hover's end
+    assert np.median(index[at:at + hold]) <= at and index[at:at + hold].max() <= at + 5
+    assert miss.state_subtask[at + hold - 1] in (0, 1)
+    assert (miss.state_subtask[at - ramp:at + hold] == 0).sum() > hold // 2
+
+    again = dd.generate_miss_episode(SEED, image_every=IMAGE_EVERY, cameras=())
+    np.testing.assert_array_equal(again.qpos, miss.qpos)
+    np.testing.assert_array_equal(again.action, miss.action)
+
+    summary = dd.generate_dataset(tmp_path, episodes=1, seed=SEED, image_every=IMAGE_EVERY, progress=False,
+                                  near_miss=True)
+    assert summary["near_miss"] and summary["perturb"] == 0.0
+    record = summary["episodes"][0]
+    assert record["miss_offset_m"] == [round(float(x), 4) for x in miss.miss_offset]
+    back = dd.read_episode(tmp_path / "episode_0.hdf5")
+    np.testing.assert_array_equal(back.miss_offset, miss.miss_offset)
+    np.testing.assert_array_equal(back.miss_steps, miss.miss_steps)
+    np.testing.assert_array_equal(back.action, miss.action)
+    with h5py.File(tmp_path / "episode_0.hdf5", "r+") as f:
+        del f["subtask_state"]
+    with pytest.raises(RuntimeError, match="near-miss episode"):
+        dd.relabel_episode(tmp_path / "episode_0.hdf5", perturb=0.0)
+    with pytest.raises(ValueError, match="no DART noise"):
+        dd.generate_dataset(tmp_path, episodes=1, near_miss=True, perturb=0.08, progress=False)
+    with pytest.raises(SystemExit):
+        dd.parse_args(["--near-miss", "--perturb", "0.08"])
+    assert dd.parse_args(["--near-miss"]).perturb == 0.0 and dd.parse_args([]).perturb == dd.PERTURB_SIGMA
+
+
 def test_bad_settings_raise():
     pytest.importorskip("gym_aloha")
     from oxygen_ros.tools.demo_data import generate_dataset, generate_episode

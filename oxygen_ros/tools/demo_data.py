@@ -557,6 +557,9 @@ class Episode:
         state_subtask: int8 ``[T]`` the subtask the state before each action shows (:func:`state_subtask`,
             the evaluation's ground truth), or None for a file written before it was recorded
             (:func:`relabel_dataset` adds it).
+        miss_offset: float ``[3]`` a near-miss episode's offset of the right grasp point [m]
+            (:func:`generate_miss_episode`), None for the others; miss_steps: int ``[4]`` its ``(at, hold,
+            correct, ramp)`` steps (:func:`miss_targets`), None for the others.
     """
 
     seed: int
@@ -572,6 +575,8 @@ class Episode:
     cube_start: np.ndarray
     perturb_scale: float = 0.0
     state_subtask: np.ndarray | None = None
+    miss_offset: np.ndarray | None = None
+    miss_steps: np.ndarray | None = None
 
     @property
     def outcome(self) -> np.ndarray:
@@ -672,27 +677,128 @@ def _executed_targets(actions: np.ndarray, noise: np.ndarray, scale: float) -> n
     return (actions + scale * noise).astype(np.float32)
 
 
-def project_labels(qpos: np.ndarray, nominal_qpos: np.ndarray, perturbed: np.ndarray) -> np.ndarray:
+def project_labels(qpos: np.ndarray, nominal_qpos: np.ndarray, perturbed: np.ndarray,
+                   own: np.ndarray | None = None) -> np.ndarray:
     """For each step, the step of the nominal (unperturbed) replay whose joint state is nearest: int ``[T]``.
 
     Searched within ±``_PROJECT_WINDOW`` steps of the step's own time, with a small cost per step of time
     shift (``_PROJECT_TIME_COST``), over all 14 joint-state dimensions (the gripper openings are the clock
-    while the arms stand). Steps with ``perturbed`` False (and no deviation) map to themselves. This makes
+    while the arms stand). Steps with ``perturbed`` False (and no deviation) map to their own time. This makes
     the labels a function of the state rather than of the script's clock: an arm pushed ahead along its path
     is labelled with the expert's later targets, not told to go back.
 
     Args:
-        qpos: float ``[T, 14]`` the perturbed replay's states; nominal_qpos: float ``[T, 14]`` the nominal
+        qpos: float ``[T, 14]`` the perturbed replay's states; nominal_qpos: float ``[N, 14]`` the nominal
             replay's; perturbed: bool ``[T]`` steps whose state may be off the nominal path.
+        own: int ``[T]`` the nominal step of each step's time, in ``0 .. N − 1`` (default ``0 .. T − 1``, N = T;
+            a near-miss replay that holds the arm is longer than the nominal one: :func:`miss_targets`).
     """
-    steps = len(qpos)
-    index = np.arange(steps)
+    steps, nominal_steps = len(qpos), len(nominal_qpos)
+    index = np.arange(steps) if own is None else np.asarray(own, dtype=np.int64).copy()
     for k in np.flatnonzero(perturbed):
-        lo, hi = max(0, k - _PROJECT_WINDOW), min(steps, k + _PROJECT_WINDOW + 1)
+        centre = int(index[k])
+        lo, hi = max(0, centre - _PROJECT_WINDOW), min(nominal_steps, centre + _PROJECT_WINDOW + 1)
         cand = np.arange(lo, hi)
-        cost = ((nominal_qpos[lo:hi] - qpos[k]) ** 2).sum(axis=1) + _PROJECT_TIME_COST * (cand - k) ** 2
+        cost = ((nominal_qpos[lo:hi] - qpos[k]) ** 2).sum(axis=1) + _PROJECT_TIME_COST * (cand - centre) ** 2
         index[k] = cand[int(np.argmin(cost))]
     return index
+
+
+# Near-miss demonstrations: the right arm first comes down beside the cube, hovers there with the gripper
+# open, then moves onto it and the expert's script goes on. The states of a policy that misses (the open
+# gripper 3-5 cm beside the cube) are rare in the expert's own episodes; these put them in the data, with the
+# expert's targets of the nearest nominal state as labels (as for the DART noise: they lead onto the cube) and
+# the state rule's subtask ("move the right arm to the cube" until the grasp point is within 3 cm).
+MISS_AT_S = 2.1                 # the script's stop with the open gripper at the cube: the miss replaces it
+MISS_DISTANCE = (0.035, 0.06)   # horizontal distance of the grasp point from where it should be [m]
+MISS_RISE = (0.0, 0.02)         # and this much higher [m]
+MISS_IN_S = 0.6                 # the offset grows over the descent's last this-many seconds
+MISS_HOLD_S = (0.4, 1.2)        # the arm hovers at the miss this long
+MISS_CORRECT_S = 0.6            # then moves onto the cube in this long
+_MISS_TRIES = 4                 # offsets drawn in turn until the replay stays a miss and still transfers
+
+
+_IK_DAMPING = 1e-3   # [m²]: the forearm roll and the wrist rotation are nearly coaxial at the grasp pose
+_IK_TURN_WEIGHT = 0.05   # [m/rad]: orientation rows' weight; the grasp point's offset is met, the orientation
+#                          nearly (a turn of the waist yaws the gripper a little, as a real miss would)
+
+
+def right_arm_offset(joints: np.ndarray, offset: np.ndarray, iterations: int = 30) -> np.ndarray:
+    """Right-arm joint angles whose grasp point lies ``offset`` away from that of ``joints``, at nearly the same
+    orientation.
+
+    Damped least squares on the joint-space scene's kinematics (MuJoCo's ``mj_jac`` at the grasp point,
+    position rows and orientation rows weighted by ``_IK_TURN_WEIGHT``, damped by ``_IK_DAMPING`` so that the near-singular wrist stays put),
+    ``iterations`` Gauss-Newton steps; no physics, no joint limits (the scene's
+    actuators clip the targets).
+
+    Args:
+        joints: float ``[6]`` right-arm joint angles [rad] (``JOINTS`` 7..12).
+        offset: float ``[3]`` world-frame displacement of the grasp point [m].
+
+    Returns:
+        float64 ``[6]`` joint angles [rad].
+    """
+    from oxygen_ros.tools.sim_robot import _ARM_QPOS, SCENE
+
+    model = mujoco.MjModel.from_xml_path(str(SCENE))
+    data = mujoco.MjData(model)
+    body = model.body("vx300s_right/gripper_link").id
+    addresses = np.arange(model.nq)[_ARM_QPOS[1]]
+    dofs = np.asarray([model.jnt_dofadr[np.flatnonzero(model.jnt_qposadr == a)[0]] for a in addresses])
+
+    def pose(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        data.qpos[addresses] = q
+        mujoco.mj_kinematics(model, data)
+        return data.xpos[body] + _quat_rotate(data.xquat[body], _GRASP_OFFSET), data.xquat[body].copy()
+
+    q = np.asarray(joints, dtype=np.float64).copy()
+    start, quat = pose(q)
+    goal = start + np.asarray(offset, dtype=np.float64)
+    jacp, jacr = np.zeros((3, model.nv)), np.zeros((3, model.nv))
+    for _ in range(iterations):
+        point, now = pose(q)
+        turn = _quat_mul(quat, _quat_inverse(now))           # world-frame rotation still to go
+        error = np.concatenate([goal - point, _IK_TURN_WEIGHT * 2.0 * np.sign(turn[0] or 1.0) * turn[1:]])
+        mujoco.mj_kinematics(model, data)
+        mujoco.mj_comPos(model, data)
+        mujoco.mj_jac(model, data, jacp, jacr, point, body)
+        jac = np.vstack([jacp[:, dofs], _IK_TURN_WEIGHT * jacr[:, dofs]])
+        q += jac.T @ np.linalg.solve(jac @ jac.T + _IK_DAMPING * np.eye(6), error)
+    return q
+
+
+def miss_targets(actions: np.ndarray, at: int, delta: np.ndarray, hold: int, correct: int,
+                 ramp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The executed targets of a near-miss replay of the expert's ``actions``.
+
+    Steps ``0 .. at − 1`` are the expert's, plus ``delta`` on the right arm growing by smoothstep over the last
+    ``ramp`` of them; then ``hold`` steps at the expert's step ``at`` plus ``delta``; then ``correct`` steps
+    from there to the expert's step ``at`` (``delta`` shrinking by smoothstep); then the expert's steps ``at``
+    onwards. The grippers always follow the expert (open until ``at``).
+
+    Args:
+        actions: float ``[T, 14]`` the expert's targets; at: the step the miss replaces (0 < at < T);
+        delta: float ``[6]`` the right arm's joint offset of the miss [rad]; hold, correct, ramp: steps (≥ 1).
+
+    Returns:
+        ``(targets float32 [T + hold + correct, 14], own int64 [same], off bool [same])``: own is the
+        expert's step of each step's time (:func:`project_labels`), off marks the steps with an offset.
+    """
+    if not 0 < at < len(actions) or min(hold, correct, ramp) < 1:
+        raise ValueError(f"need 0 < at < {len(actions)} and hold, correct, ramp >= 1; got {at}, {hold}, "
+                         f"{correct}, {ramp}")
+    steps = len(actions) + hold + correct
+    own = np.concatenate([np.arange(at), np.full(hold + correct, at), np.arange(at, len(actions))])
+    weight = np.zeros(steps)
+    for k in range(max(0, at - ramp), at):
+        weight[k] = _smoothstep((k - (at - ramp) + 1) / ramp)
+    weight[at:at + hold] = 1.0
+    for j in range(correct):
+        weight[at + hold + j] = 1.0 - _smoothstep((j + 1) / correct)
+    targets = actions[own].astype(np.float64)
+    targets[:, 7:13] += weight[:, None] * np.asarray(delta, dtype=np.float64)[None, :]
+    return targets.astype(np.float32), own, weight > 0
 
 
 @dataclasses.dataclass
@@ -796,6 +902,57 @@ def generate_episode(seed: int, image_every: int = 5, width: int = IMAGE_WIDTH, 
                    state_subtask=run.state_subtask)
 
 
+def generate_miss_episode(seed: int, image_every: int = 5, width: int = IMAGE_WIDTH, height: int = IMAGE_HEIGHT,
+                          cameras: tuple[str, ...] = CAMERAS) -> Episode:
+    """One near-miss demonstration: the expert's trajectory for cube ``seed`` with the right arm first coming
+    down beside the cube (:func:`miss_targets`), replayed in the joint-space scene.
+
+    The miss (from ``seed``): the grasp point ``MISS_DISTANCE`` away horizontally in a uniform direction and
+    ``MISS_RISE`` higher than the script's stop at the cube (``MISS_AT_S``), reached over ``MISS_IN_S``, held
+    ``MISS_HOLD_S``, left over ``MISS_CORRECT_S``. An offset is kept when the replay is still a miss at the end
+    of the hover (the grasp point ≥ 3 cm from the cube: not ``reached``) and still transfers the cube; else the
+    next one is drawn, ``_MISS_TRIES`` in all, then the episode is the expert's nominal replay
+    (``Episode.miss_offset`` None). Labels: the expert's targets and script subtask at the nominal step nearest
+    each state around its own time (:func:`project_labels`); the state labels from the replay. No DART noise.
+
+    Args and Raises: as :func:`generate_episode` (without ``perturb``).
+    """
+    if image_every < 1:
+        raise ValueError(f"image_every must be >= 1, got {image_every}")
+    unknown = set(cameras) - set(CAMERAS)
+    if unknown:
+        raise ValueError(f"unknown cameras {sorted(unknown)}; the scene's are {CAMERAS}")
+    actions, subtask, expert = expert_joint_trajectory(seed)
+    at = int(round(MISS_AT_S / DT))
+    ramp, correct = int(round(MISS_IN_S / DT)), int(round(MISS_CORRECT_S / DT))
+    nominal = _replay(seed, actions, len(actions), width, height, ())
+    rng = np.random.default_rng([seed, 0x4D155])
+    chosen = None
+    for _ in range(_MISS_TRIES):
+        angle, distance = rng.uniform(0.0, 2.0 * math.pi), rng.uniform(*MISS_DISTANCE)
+        offset = np.array([distance * math.cos(angle), distance * math.sin(angle), rng.uniform(*MISS_RISE)])
+        hold = int(round(rng.uniform(*MISS_HOLD_S) / DT))
+        delta = right_arm_offset(actions[at, 7:13], offset) - actions[at, 7:13]
+        targets, own, off = miss_targets(actions, at, delta, hold, correct, ramp)
+        trial = _replay(seed, targets, len(targets), width, height, ())
+        if trial.phases[-1, 3] and not trial.phases[at + hold - 1, 0]:
+            chosen = offset, hold, targets, own, trial
+            break
+    if chosen is None:
+        labels, label_subtask, targets, miss, steps = actions, subtask, actions, None, None
+    else:
+        offset, hold, targets, own, trial = chosen
+        deviated = np.abs(trial.qpos - nominal.qpos[own]).max(axis=1) > 1e-6
+        index = project_labels(trial.qpos, nominal.qpos, deviated, own)
+        labels, label_subtask = actions[index], subtask[index]
+        miss, steps = offset, np.array([at, hold, correct, ramp])
+    run = _replay(seed, targets, image_every, width, height, cameras)
+    return Episode(seed=seed, qpos=run.qpos, qvel=run.qvel, action=np.ascontiguousarray(labels, np.float32),
+                   images=run.images, image_steps=run.image_steps, subtask=np.asarray(label_subtask, np.int8),
+                   caption=run.captions, phases=run.phases, expert_phases=expert, cube_start=run.rest,
+                   perturb_scale=0.0, state_subtask=run.state_subtask, miss_offset=miss, miss_steps=steps)
+
+
 def write_episode(episode: Episode, path: str | Path, compression: str | None = "gzip") -> Path:
     """Write ``episode`` as one HDF5 file in the ALOHA/ACT layout (module docstring), via h5py.
 
@@ -805,7 +962,8 @@ def write_episode(episode: Episode, path: str | Path, compression: str | None = 
     ``/subtask_index`` int8 ``[T]``; ``/subtask_state`` int8 ``[T]`` (the state labels, when the episode has
     them); ``/phases`` bool ``[T, 4]``. Attributes: ``sim`` (True), ``seed``,
     ``dt`` [s], ``instruction``, ``joint_names``, ``subtasks``, ``phase_names``, ``outcome`` and
-    ``expert_outcome`` (bool ``[4]``), ``cube_start`` [m], ``image_every``, ``perturb_scale``.
+    ``expert_outcome`` (bool ``[4]``), ``cube_start`` [m], ``image_every``, ``perturb_scale``; a near-miss
+    episode also ``miss_offset`` [m] and ``miss_steps`` (:class:`Episode`).
 
     Returns:
         the path written.
@@ -822,6 +980,9 @@ def write_episode(episode: Episode, path: str | Path, compression: str | None = 
                         "cube_start": episode.cube_start, "perturb_scale": episode.perturb_scale,
                         "image_every": int(episode.image_steps[1] - episode.image_steps[0])
                         if len(episode.image_steps) > 1 else len(episode.action)})
+        if episode.miss_offset is not None:
+            f.attrs.update({"miss_offset": np.asarray(episode.miss_offset, np.float64),
+                            "miss_steps": np.asarray(episode.miss_steps, np.int64)})
         obs = f.create_group("observations")
         obs.create_dataset("qpos", data=episode.qpos)
         obs.create_dataset("qvel", data=episode.qvel)
@@ -859,7 +1020,9 @@ def read_episode(path: str | Path) -> Episode:
             caption=[s.decode() if isinstance(s, bytes) else s for s in f["caption"][()]],
             phases=f["phases"][()], expert_phases=np.asarray(f.attrs["expert_outcome"], bool),
             cube_start=np.asarray(f.attrs["cube_start"]), perturb_scale=float(f.attrs.get("perturb_scale", 0.0)),
-            state_subtask=f["subtask_state"][()] if "subtask_state" in f else None)
+            state_subtask=f["subtask_state"][()] if "subtask_state" in f else None,
+            miss_offset=np.asarray(f.attrs["miss_offset"]) if "miss_offset" in f.attrs else None,
+            miss_steps=np.asarray(f.attrs["miss_steps"]) if "miss_steps" in f.attrs else None)
 
 
 def relabel_episode(path: str | Path, perturb: float) -> Path:
@@ -884,6 +1047,8 @@ def relabel_episode(path: str | Path, perturb: float) -> Path:
     path = Path(path)
     with h5py.File(path, "r") as f:
         seed, scale = int(f.attrs["seed"]), float(f.attrs.get("perturb_scale", 0.0))
+        if "miss_offset" in f.attrs:
+            raise RuntimeError(f"{path}: a near-miss episode; its generator writes its state labels (regenerate it)")
         qpos, image_steps = f["observations/qpos"][()], f["observations/image_steps"][()]
     steps = len(qpos)
     stop = int(image_steps.max()) + 1 if len(image_steps) else 1
@@ -981,31 +1146,38 @@ def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float
 
 def _generate_and_write(job: tuple) -> dict:
     """One episode: generate, write, return its ``dataset.json`` record (a pool worker's unit of work)."""
-    i, seed, image_every, width, height, out, perturb = job
+    i, seed, image_every, width, height, out, perturb, near_miss = job
     start = time.perf_counter()
-    episode = generate_episode(seed, image_every=image_every, width=width, height=height, perturb=perturb)
+    if near_miss:
+        episode = generate_miss_episode(seed, image_every=image_every, width=width, height=height)
+    else:
+        episode = generate_episode(seed, image_every=image_every, width=width, height=height, perturb=perturb)
     write_episode(episode, Path(out) / f"episode_{i}.hdf5")
     return {"file": f"episode_{i}.hdf5", "seed": seed, "steps": len(episode.action),
             "images_per_camera": len(episode.image_steps),
             "outcome": dict(zip(PHASES, map(bool, episode.outcome))),
             "expert_outcome": dict(zip(PHASES, map(bool, episode.expert_phases))),
             "perturb_scale": episode.perturb_scale,
+            **({"miss_offset_m": [round(float(x), 4) for x in episode.miss_offset],
+                "miss_hold_s": round(float(episode.miss_steps[1]) * DT, 3)} if episode.miss_offset is not None
+               else {"miss_offset_m": None} if near_miss else {}),
             "seconds": round(time.perf_counter() - start, 3)}
 
 
 def generate_dataset(out_dir: str | Path, episodes: int, seed: int = 0, image_every: int = 5,
                      width: int = IMAGE_WIDTH, height: int = IMAGE_HEIGHT, progress: bool = True, workers: int = 1,
-                     perturb: float = 0.0) -> dict:
+                     perturb: float = 0.0, near_miss: bool = False) -> dict:
     """Generate ``episodes`` demonstrations (cube seeds ``seed .. seed + episodes - 1``) into ``out_dir``
     as ``episode_<i>.hdf5`` plus ``dataset.json`` (the recipe, each episode's outcome, the expert's
     success rate per phase with its 95 % Wilson interval, and the measured seconds per episode).
     ``perturb``: DART noise std per arm joint [rad] (:func:`generate_episode`; 0: nominal replays).
+    ``near_miss``: near-miss episodes instead (:func:`generate_miss_episode`; ``perturb`` must then be 0).
 
     Returns:
         the content of ``dataset.json``.
 
     Raises:
-        ValueError: ``episodes`` < 1, ``workers`` < 1 or ``image_every`` < 1.
+        ValueError: ``episodes`` < 1, ``workers`` < 1, ``image_every`` < 1, or ``near_miss`` with ``perturb``.
     """
     from tqdm import tqdm
 
@@ -1013,10 +1185,12 @@ def generate_dataset(out_dir: str | Path, episodes: int, seed: int = 0, image_ev
         raise ValueError(f"episodes must be >= 1, got {episodes}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if near_miss and perturb:
+        raise ValueError(f"near-miss episodes carry no DART noise: perturb must be 0, got {perturb}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records = []
-    jobs = [(i, seed + i, image_every, width, height, str(out), perturb) for i in range(episodes)]
+    jobs = [(i, seed + i, image_every, width, height, str(out), perturb, near_miss) for i in range(episodes)]
     bar = tqdm(total=episodes, desc="demonstrations", unit="episode", disable=not progress)
     # Each episode depends only on its own seed, so a pool of processes gives the same files as one
     # process (rendering is single-threaded: one worker per core).
@@ -1036,7 +1210,7 @@ def generate_dataset(out_dir: str | Path, episodes: int, seed: int = 0, image_ev
                           "ci95": [round(low, 4), round(high, 4)]}
     summary = {"instruction": INSTRUCTION, "subtasks": list(SUBTASKS), "cameras": list(CAMERAS),
                "width": width, "height": height, "dt": DT, "image_every": image_every, "seed": seed,
-               "perturb": perturb,
+               "perturb": perturb, "near_miss": near_miss,
                "success": success, "seconds_per_episode": round(float(np.mean([r["seconds"] for r in records])), 3),
                "episodes": records}
     (out / "dataset.json").write_text(json.dumps(summary, indent=2))
@@ -1062,13 +1236,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--relabel", type=Path, default=None, metavar="DIR",
                         help="instead of generating: add the state labels (/subtask_state) to the episodes of DIR "
                              "written without them, replaying their physics without cameras")
-    parser.add_argument("--perturb", type=float, default=PERTURB_SIGMA,
+    parser.add_argument("--perturb", type=float, default=None,
                         help="DART noise on the executed arm targets, std per joint [rad] (default "
                              f"{PERTURB_SIGMA}; 0: the expert's nominal replay)")
+    parser.add_argument("--near-miss", action="store_true",
+                        help="near-miss episodes: the right arm first comes down 3.5-6 cm beside the cube, hovers, "
+                             "then grasps and the script goes on (no DART noise; docs/demo-policy.md)")
     args = parser.parse_args(argv)
     for name in ("episodes", "image_every", "width", "height", "workers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.near_miss and args.perturb:
+        parser.error("--near-miss episodes carry no DART noise: leave out --perturb")
+    if args.perturb is None:
+        args.perturb = 0.0 if args.near_miss else PERTURB_SIGMA
     if not 0.0 <= args.perturb < math.inf:
         parser.error(f"--perturb must be finite and >= 0, got {args.perturb}")
     problem = seed_range_problem("--seed", args.seed, args.episodes)
@@ -1100,7 +1281,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         raise SystemExit(f"demo_data: cannot create the output directory {args.out}: {error.strerror}") from None
     summary = generate_dataset(args.out, args.episodes, args.seed, args.image_every, args.width, args.height,
-                               workers=args.workers, perturb=args.perturb)
+                               workers=args.workers, perturb=args.perturb, near_miss=args.near_miss)
     for phase, s in summary["success"].items():
         print(f"expert {phase:11s} {s['successes']}/{s['episodes']} = {s['rate']:.0%} "
               f"(95 % CI {s['ci95'][0]:.0%}-{s['ci95'][1]:.0%})")
