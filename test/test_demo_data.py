@@ -248,10 +248,16 @@ def test_miss_targets_by_hand():
         args = {"at": 4, "delta": delta, "hold": 2, "correct": 2, "ramp": 2, **bad}
         with pytest.raises(ValueError, match="need 0 < at"):
             dd.miss_targets(actions, **args)
-    # project_labels around each step's own nominal step: a held state maps near the held step
-    nominal = np.outer(np.arange(10.0), np.ones(14)) * 0.1
+    # project_labels searches around each step's own nominal step, not around the step's index: states held at
+    # nominal step 80 (steps 10-14, far outside ±_PROJECT_WINDOW of their index) map to 80, a little ahead to 81
+    nominal = np.outer(np.arange(100.0), np.ones(14)) * 0.1
+    own = np.concatenate([np.arange(10), np.full(5, 80)])
     states = nominal[own]
-    np.testing.assert_array_equal(dd.project_labels(states, nominal, np.ones(len(own), bool), own), own)
+    states[-1] = nominal[81]
+    np.testing.assert_array_equal(dd.project_labels(states, nominal, np.ones(len(own), bool), own),
+                                  [*range(10), 80, 80, 80, 80, 81])
+    # without own the search centres on each step's index: step 10 gets its window's far edge
+    assert dd.project_labels(states, nominal, np.ones(len(own), bool))[10] == 10 + dd._PROJECT_WINDOW
 
 
 def test_near_miss_episode_hovers_beside_the_cube_then_transfers(episode, tmp_path):

@@ -1238,7 +1238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "written without them, replaying their physics without cameras")
     parser.add_argument("--perturb", type=float, default=None,
                         help="DART noise on the executed arm targets, std per joint [rad] (default "
-                             f"{PERTURB_SIGMA}; 0: the expert's nominal replay)")
+                             f"{PERTURB_SIGMA}, 0 with --near-miss; 0: the expert's nominal replay)")
     parser.add_argument("--near-miss", action="store_true",
                         help="near-miss episodes: the right arm first comes down 3.5-6 cm beside the cube, hovers, "
                              "then grasps and the script goes on (no DART noise; docs/demo-policy.md)")
