@@ -139,6 +139,13 @@ def gripper_quat(arm: str, pitch: float) -> np.ndarray:
 # the expert's plan
 
 
+def _grasp_pose(data: mujoco.MjData, body: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(grasp point [3], quaternion [4])`` of gripper_link ``body`` in ``data``'s current kinematics: the point
+    ``_GRASP_OFFSET`` along the link between the fingertips (copies)."""
+    quat = data.xquat[body].copy()
+    return data.xpos[body] + _quat_rotate(quat, _GRASP_OFFSET), quat
+
+
 def _smoothstep(u: float) -> float:
     """3u² − 2u³: from 0 to 1 over u in [0, 1] with zero slope at both ends (no velocity step)."""
     return u * u * (3.0 - 2.0 * u)
@@ -349,9 +356,7 @@ class EndEffectorScene:
 
     def grasp_pose(self, arm: str) -> tuple[np.ndarray, np.ndarray]:
         """``(grasp point [3], gripper_link quaternion [4])`` of ``arm`` now."""
-        body = self._gripper[arm]
-        quat = self.data.xquat[body].copy()
-        return self.data.xpos[body] + _quat_rotate(quat, _GRASP_OFFSET), quat
+        return _grasp_pose(self.data, self._gripper[arm])
 
     def _place(self, arm: str, pos: np.ndarray, quat: np.ndarray) -> None:
         relpos, relquat = self._relpose[arm]
@@ -451,7 +456,7 @@ def scene_state(model: mujoco.MjModel, data: mujoco.MjData, geoms: _Geoms | None
         left, right = g.fingers["left"], g.fingers["right"]
         left_on_right |= (a in left and b in right) or (a in right and b in left)
     cube = data.geom_xpos[g.cube].copy()
-    grasp = data.xpos[g.right_gripper] + _quat_rotate(data.xquat[g.right_gripper], _GRASP_OFFSET)
+    grasp, _ = _grasp_pose(data, g.right_gripper)
     return SceneState(cube=cube, right_fingers=len(touching & g.fingers["right"]),
                       left_fingers=len(touching & g.fingers["left"]), on_table=g.table in touching,
                       right_distance=float(np.linalg.norm(grasp - cube)), left_on_right=left_on_right)
@@ -743,14 +748,14 @@ def right_arm_offset(joints: np.ndarray, offset: np.ndarray, iterations: int = 3
 
     model = mujoco.MjModel.from_xml_path(str(SCENE))
     data = mujoco.MjData(model)
-    body = model.body("vx300s_right/gripper_link").id
+    body = _Geoms(model).right_gripper
     addresses = np.arange(model.nq)[_ARM_QPOS[1]]
     dofs = np.asarray([model.jnt_dofadr[np.flatnonzero(model.jnt_qposadr == a)[0]] for a in addresses])
 
     def pose(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         data.qpos[addresses] = q
         mujoco.mj_kinematics(model, data)
-        return data.xpos[body] + _quat_rotate(data.xquat[body], _GRASP_OFFSET), data.xquat[body].copy()
+        return _grasp_pose(data, body)
 
     q = np.asarray(joints, dtype=np.float64).copy()
     start, quat = pose(q)
@@ -760,8 +765,7 @@ def right_arm_offset(joints: np.ndarray, offset: np.ndarray, iterations: int = 3
         point, now = pose(q)
         turn = _quat_mul(quat, _quat_inverse(now))           # world-frame rotation still to go
         error = np.concatenate([goal - point, _IK_TURN_WEIGHT * 2.0 * np.sign(turn[0] or 1.0) * turn[1:]])
-        mujoco.mj_kinematics(model, data)
-        mujoco.mj_comPos(model, data)
+        mujoco.mj_comPos(model, data)                        # pose() ran the kinematics of q
         mujoco.mj_jac(model, data, jacp, jacr, point, body)
         jac = np.vstack([jacp[:, dofs], _IK_TURN_WEIGHT * jacr[:, dofs]])
         q += jac.T @ np.linalg.solve(jac @ jac.T + _IK_DAMPING * np.eye(6), error)
@@ -851,6 +855,15 @@ def _replay(seed: int, targets: np.ndarray, image_every: int, width: int, height
     return _Replay(qpos, qvel, phases, captions, images, image_steps, rest, labels)
 
 
+def _check_render_settings(image_every: int, cameras: tuple[str, ...]) -> None:
+    """Raise ValueError for ``image_every`` < 1 or a camera the scene does not have."""
+    if image_every < 1:
+        raise ValueError(f"image_every must be >= 1, got {image_every}")
+    unknown = set(cameras) - set(CAMERAS)
+    if unknown:
+        raise ValueError(f"unknown cameras {sorted(unknown)}; the scene's are {CAMERAS}")
+
+
 def generate_episode(seed: int, image_every: int = 5, width: int = IMAGE_WIDTH, height: int = IMAGE_HEIGHT,
                      cameras: tuple[str, ...] = CAMERAS, perturb: float = 0.0) -> Episode:
     """One demonstration: the expert's joint trajectory replayed in the demo robot's joint-space scene.
@@ -871,13 +884,9 @@ def generate_episode(seed: int, image_every: int = 5, width: int = IMAGE_WIDTH, 
         RuntimeError: the replay's physics went unstable (the scene reset itself; never seen with this
             expert, but such an episode must not be stored).
     """
-    if image_every < 1:
-        raise ValueError(f"image_every must be >= 1, got {image_every}")
+    _check_render_settings(image_every, cameras)
     if not 0 <= perturb < math.inf:
         raise ValueError(f"perturb must be finite and >= 0, got {perturb}")
-    unknown = set(cameras) - set(CAMERAS)
-    if unknown:
-        raise ValueError(f"unknown cameras {sorted(unknown)}; the scene's are {CAMERAS}")
     actions, subtask, expert = expert_joint_trajectory(seed)
     labels, label_subtask, scale = actions, subtask, 0.0
     targets = actions
@@ -917,11 +926,7 @@ def generate_miss_episode(seed: int, image_every: int = 5, width: int = IMAGE_WI
 
     Args and Raises: as :func:`generate_episode` (without ``perturb``).
     """
-    if image_every < 1:
-        raise ValueError(f"image_every must be >= 1, got {image_every}")
-    unknown = set(cameras) - set(CAMERAS)
-    if unknown:
-        raise ValueError(f"unknown cameras {sorted(unknown)}; the scene's are {CAMERAS}")
+    _check_render_settings(image_every, cameras)
     actions, subtask, expert = expert_joint_trajectory(seed)
     at = int(round(MISS_AT_S / DT))
     ramp, correct = int(round(MISS_IN_S / DT)), int(round(MISS_CORRECT_S / DT))
@@ -1153,14 +1158,18 @@ def _generate_and_write(job: tuple) -> dict:
     else:
         episode = generate_episode(seed, image_every=image_every, width=width, height=height, perturb=perturb)
     write_episode(episode, Path(out) / f"episode_{i}.hdf5")
+    miss = {}
+    if near_miss:     # None: no offset kept its miss, the nominal replay was stored
+        kept = episode.miss_offset is not None
+        miss["miss_offset_m"] = [round(float(x), 4) for x in episode.miss_offset] if kept else None
+        if kept:
+            miss["miss_hold_s"] = round(float(episode.miss_steps[1]) * DT, 3)
     return {"file": f"episode_{i}.hdf5", "seed": seed, "steps": len(episode.action),
             "images_per_camera": len(episode.image_steps),
             "outcome": dict(zip(PHASES, map(bool, episode.outcome))),
             "expert_outcome": dict(zip(PHASES, map(bool, episode.expert_phases))),
             "perturb_scale": episode.perturb_scale,
-            **({"miss_offset_m": [round(float(x), 4) for x in episode.miss_offset],
-                "miss_hold_s": round(float(episode.miss_steps[1]) * DT, 3)} if episode.miss_offset is not None
-               else {"miss_offset_m": None} if near_miss else {}),
+            **miss,
             "seconds": round(time.perf_counter() - start, 3)}
 
 
