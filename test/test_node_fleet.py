@@ -81,6 +81,12 @@ def test_three_robots_on_one_engine(fleet):
     assert answer.success, answer.message
     assert f"{base}/r3" not in node.robots and f"{base}/r3" not in node.server.robots
     assert f"{base}/r3" not in node.server.fleet.core.shares
+    # A chunk published before the service answered may still be on its way over DDS (seen once in three clean-clone runs on a
+    # 2-core machine): at most that one arrives while r1 and r2 each get a new chunk; after that, none.
+    answered_at = len(sides["r3"].chunks)
+    for name in ("r1", "r2"):
+        assert sides[name].chunks_after(len(sides[name].chunks))
+    assert len(sides["r3"].chunks) <= answered_at + 1
     removed_at = len(sides["r3"].chunks)
     for name in ("r1", "r2"):
         assert sides[name].chunks_after(len(sides[name].chunks))
