@@ -119,6 +119,44 @@ def test_invalid_submissions_are_refused_and_close_ends_the_waiting_ones(model):
         engine.submit("speech")
 
 
+def test_a_template_with_an_unknown_field_is_refused_at_submission(model):
+    """The template an ~/ask goal brings is checked when it is submitted: an unknown field, a positional
+    field or an unbalanced brace never reaches a cycle."""
+    engine = _engine(model)
+    for template in ("Describe {instruction} in {language}", "{instruction} {}", "{instruction} {",
+                     "{instruction.upper}"):
+        with pytest.raises(ValueError, match="template"):
+            engine.submit("speech", prompt_template=template)
+    assert engine.active_requests == []
+    assert engine.run_cycle(observation(1)).text_events == []
+
+
+class _FailingPromptIO(ByteIO):
+    """Byte prompts, except that building one for the instruction ``boom`` raises (a prompt builder's
+    failure that no check at submission could see)."""
+
+    def prompt_ids(self, template, instruction, state):
+        if instruction == "boom":
+            raise KeyError("boom")
+        return super().prompt_ids(template, instruction, state)
+
+
+def test_a_request_whose_prompt_fails_ends_alone_and_the_cycle_goes_on(model):
+    """The unit of failure is the request: a submission whose prompt cannot be built ends as dropped
+    with the reason; the cycle still acts, and a valid submission of the same cycle runs to its end."""
+    engine = Engine(model, _FailingPromptIO(model.config), engine_config("unified", [ON_DEMAND]))
+    bad = engine.submit("speech", instruction="boom")
+    good = engine.submit("speech", instruction="open the drawer")
+    result = engine.run_cycle(observation(3))
+    assert result.action.actions.shape[0] == model.config.action_horizon
+    (dropped,) = [e for e in _finals(result.text_events) if e.request_id == bad]
+    assert dropped.status == RequestStatus.DROPPED and "KeyError" in dropped.reason and dropped.seq == 3
+    events = result.text_events + _run(engine, [4, 5]) + engine.flush()[0]
+    (final,) = [e for e in _finals(events) if e.request_id == good]
+    assert final.status == RequestStatus.COMPLETED and len(final.token_ids) == 5
+    assert len(engine.metrics_records.cycles) == 3 and engine.pool.num_used == 0
+
+
 def test_submissions_from_other_threads_each_end_once(model):
     """Submit and cancel from a second thread while cycles run: every id gets exactly one final event."""
     engine = _engine(model, [dict(ON_DEMAND, max_new_tokens=3)])

@@ -35,6 +35,7 @@ Tasks are declared as data (a dict or a YAML file), never in code::
 
 from __future__ import annotations
 
+import string
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -131,6 +132,32 @@ def _validate(config: Any, prefix: str) -> None:
         meta = knob_of(f)
         if meta is not None and not is_dataclass(getattr(config, f.name)):
             meta.check(prefix + f.name, getattr(config, f.name), str(f.type))
+
+
+# The fields a prompt template may name: the instruction, the discretised state, and the token break
+# of a family's prompt layout (``models/conventions.py``: ``TOKEN_BREAK``); the action task's subtask
+# template also names ``{subtask}``.
+PROMPT_FIELDS = ("instruction", "state", "split")
+
+
+def check_template(template: str, where: str, extra_fields: tuple[str, ...] = ()) -> None:
+    """Refuse a prompt template the prompt builder (``str.format``) would fail on at run time.
+
+    Raises:
+        ValueError: unbalanced braces, or a field other than ``{instruction}``, ``{state}``,
+            ``{split}`` and ``extra_fields`` (positional ``{}`` and attribute or index access included);
+            the message names ``where``, the field and the allowed ones.
+    """
+    allowed = PROMPT_FIELDS + extra_fields
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as error:
+        raise ValueError(f"{where} {template!r} is not a valid template: {error}") from None
+    unknown = sorted({name for name in names if name not in allowed})
+    if unknown:
+        raise ValueError(f"{where} {template!r} has unknown field(s) "
+                         f"{', '.join('{' + name + '}' for name in unknown)}; allowed: "
+                         f"{', '.join('{' + name + '}' for name in allowed)}")
 
 
 def _check_keys(cls: type, data: Mapping[str, Any], where: str) -> None:
@@ -238,6 +265,7 @@ class ActionTaskConfig:
     def __post_init__(self) -> None:
         if "{instruction}" not in self.prompt_template:
             raise ValueError("action.prompt_template must contain {instruction}")
+        check_template(self.prompt_template, "action.prompt_template")
         if self.subtask_task and not self.subtask_prompt_template:
             raise ValueError(f"action.subtask_task is {self.subtask_task!r} but action.subtask_prompt_template is "
                              "empty: give the action prompt with {subtask} used once a subtask exists")
@@ -246,6 +274,7 @@ class ActionTaskConfig:
             if missing:
                 raise ValueError(f"action.subtask_prompt_template must contain {' and '.join(missing)}, got "
                                  f"{self.subtask_prompt_template!r}")
+            check_template(self.subtask_prompt_template, "action.subtask_prompt_template", ("subtask",))
         _validate(self, "action.")
 
     @property
@@ -288,6 +317,7 @@ class TaskConfig:
             raise ValueError("language task: name must be non-empty")
         if "{instruction}" not in self.prompt_template:
             raise ValueError(f"{self.name}.prompt_template must contain {{instruction}}")
+        check_template(self.prompt_template, f"{self.name}.prompt_template")
         _validate(self, f"{self.name}.")
 
     @classmethod

@@ -1,8 +1,9 @@
 """Many robots on one engine: one model, one KV pool, cross-robot batching, deadline-aware per robot.
 
-A :class:`Fleet` serves R robots from one model instance. Each robot is a *lane*: an
-:class:`~oxygen_ros.engine.engine.Engine` built on the fleet's shared
-:class:`~oxygen_ros.engine.core.EngineCore`, with its own id, camera slots, checkpoint-family
+A :class:`Fleet` serves R robots from one model instance: a facade over the same
+:class:`~oxygen_ros.engine.cycle.ControlLoop` that a single-robot :class:`~oxygen_ros.engine.engine.Engine`
+runs, here with R robots (``robot.py``) on the fleet's shared :class:`~oxygen_ros.engine.core.EngineCore`.
+Each robot has its own id, camera slots, checkpoint-family
 processing (:class:`~oxygen_ros.engine.model_io.ModelIO`), action task and control period, language
 tasks and triggers, π0.5 subtask state (``subtask.py``: the ``{subtask}`` of its action prompt is its
 own latest subtask), inbox (``submit`` / ``cancel``), outputs and metrics, and its own share of the KV
@@ -37,49 +38,19 @@ different control rates (which robots are due, their deadlines). docs/fleet.md h
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable, Mapping
-
-import torch
 
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.core import EngineCore
+from oxygen_ros.engine.cycle import ControlLoop, FleetResult
 from oxygen_ros.engine.engine import Engine
-from oxygen_ros.engine.inputs import Frame
-from oxygen_ros.engine.lane import EngineLane
-from oxygen_ros.engine.meter import CycleMeter
-from oxygen_ros.engine.metrics import CycleRecord
-from oxygen_ros.engine.modes import admission_budget, decode_within_budget
 from oxygen_ros.engine.model_io import ModelIO
 from oxygen_ros.engine.model_runner import RunnerModel
-from oxygen_ros.engine.outputs import CycleResult
-from oxygen_ros.engine.request import Request, sample_tokens
-from oxygen_ros.engine.scheduler import StepCostEstimator
+from oxygen_ros.engine.modes import mode_policy
+from oxygen_ros.engine.robot import new_robot
 from oxygen_ros.engine.types import ActionChunk, MemoryEntry, Observation, TextEvent
 
-
-@dataclass
-class FleetResult:
-    """What one fleet cycle produced.
-
-    Attributes:
-        cycles: per robot served this cycle, its :class:`CycleResult` (its chunk, the text events of its
-            requests, its record: frame latency, deadline missed, generated tokens of its requests).
-        text_events: per robot *not* served this cycle, the text events its running requests produced
-            (a robot whose inputs stopped still finishes its utterances); robots without events are absent.
-        errors: per robot whose observation was refused, the ValueError (nothing else of that robot ran).
-        record: the whole cycle's record (phase times, vision calls, batch sizes over all robots).
-    """
-
-    cycles: dict[Hashable, CycleResult] = field(default_factory=dict)
-    text_events: dict[Hashable, list[TextEvent]] = field(default_factory=dict)
-    errors: dict[Hashable, ValueError] = field(default_factory=dict)
-    record: CycleRecord | None = None
-
-    def events(self, robot: Hashable) -> list[TextEvent]:
-        """Every text event of ``robot`` in this result (served or not)."""
-        cycle = self.cycles.get(robot)
-        return cycle.text_events if cycle is not None else self.text_events.get(robot, [])
+__all__ = ["Fleet", "FleetResult", "ReleaseClock"]
 
 
 class ReleaseClock:
@@ -149,15 +120,9 @@ class Fleet:
         if config.mode != "unified":
             raise ValueError(f"a fleet runs mode unified (cross-robot batching), got {config.mode!r}")
         self.config = config
-        self._model = model
         self._core = EngineCore(model, None, config)
-        self._engines: dict[Hashable, Engine] = {}     # each robot's engine; the cycle drives its .lane
-        self._meters: dict[Hashable, CycleMeter] = {}
-        self._last_stamp: dict[Hashable, float] = {}
-        self._admitted_at: dict[Hashable, int] = {}
-        self._decoded_at: dict[Hashable, int] = {}
-        self._admit_round = 0
-        self._step_index = 0
+        self._loop = ControlLoop(self._core, config, mode_policy(config, self._core.planner))
+        self._engines: dict[Hashable, Engine] = {}     # each robot's engine (its public surface)
         self._closed = False
 
     # ------------------------------------------------------------------ robots
@@ -173,7 +138,7 @@ class Fleet:
         return list(self._engines)
 
     def robot(self, robot_id: Hashable) -> Engine:
-        """The engine (lane) of ``robot_id``: submit, cancel, metrics, active requests. Raises KeyError."""
+        """The engine of ``robot_id``: submit, cancel, metrics, active requests, warm-up, flush. Raises KeyError."""
         try:
             return self._engines[robot_id]
         except KeyError:
@@ -201,9 +166,9 @@ class Fleet:
                 raise RuntimeError("fleet is closed")
             if robot_id in self._engines:
                 raise ValueError(f"robot {robot_id!r} is already in the fleet")
-            engine = Engine(self._model, processor, config, core=self._core, robot_id=robot_id)
-            self._engines[robot_id] = engine
-            self._meters[robot_id] = self._lane_meter()
+            robot = new_robot(self._core, processor, config, robot_id, shared=True)
+            self._loop.add(robot)
+            engine = self._engines[robot_id] = Engine.of_robot(self._loop, robot)
         return engine
 
     def remove_robot(self, robot_id: Hashable) -> list[TextEvent]:
@@ -213,8 +178,7 @@ class Fleet:
         with self._core.lock:
             engine = self.robot(robot_id)
             del self._engines[robot_id]
-            for table in (self._meters, self._last_stamp, self._admitted_at, self._decoded_at):
-                table.pop(robot_id, None)
+            self._loop.remove(robot_id)
         events = engine.close()
         self._core.release(robot_id)
         return events
@@ -228,8 +192,8 @@ class Fleet:
 
         Args:
             deadlines: per robot the ``time.perf_counter()`` instant its cycle must end by (default:
-                the cycle's start plus the robot's control period); robots are served earliest
-                deadline first and language work fits the slack before the earliest deadline.
+                now plus the robot's control period); robots are served earliest deadline first and
+                language work fits the slack before the earliest deadline.
             on_action: gets ``(robot_id, chunk)`` for every chunk, in deadline order, before any
                 language work.
 
@@ -250,54 +214,7 @@ class Fleet:
             t0 = time.perf_counter()
             deadlines = {r: (deadlines or {}).get(r, t0 + self._engines[r].config.action.control_period_s)
                          for r in observations}
-            order = sorted(observations, key=lambda r: deadlines[r])
-            meter = CycleMeter(self._core.pool, self._core.estimator, self._core.runner.counters)
-            lanes = self._lanes()
-            for robot, lane in lanes.items():
-                lane.use_meter(self._meters[robot])
-            result = FleetResult()
-            frames: dict[Hashable, Frame] = {}
-            for robot in order:
-                lane, obs = lanes[robot], observations[robot]
-                try:
-                    frames[robot] = lane.observe(obs, t0)
-                except ValueError as error:
-                    lane.abandon(obs)
-                    result.errors[robot] = error
-                    continue
-                self._last_stamp[robot] = obs.stamp
-            try:
-                chunks, features = self._act(frames, t0, meter, on_action)
-                for robot, frame in frames.items():
-                    lanes[robot].enqueue(frame, features[robot])
-                earliest = min((deadlines[r] for r in frames), default=float("inf"))
-                overloaded = self._language(earliest, meter, deadlines)
-            except BaseException:
-                for robot, frame in frames.items():
-                    lanes[robot].abandon(frame.obs)
-                raise
-            finally:
-                self._core.planner.tree.clear()
-            end = time.perf_counter()
-            for lane in lanes.values():
-                lane.report_ended()
-            result.record = meter.record(-1, end - t0, max((c.latency_s for c in chunks.values()),
-                                                           default=0.0), False, overloaded)
-            peak = self._core.pool.peak_used_bytes
-            for robot, lane in lanes.items():
-                events = lane.take_events()
-                if robot in frames:
-                    chunk = chunks[robot]
-                    record = replace(result.record, seq=chunk.seq, action_latency_s=chunk.latency_s,
-                                     deadline_missed=end > deadlines[robot],
-                                     generated_tokens=self._meters[robot].tokens,
-                                     batch_sizes=list(result.record.batch_sizes))
-                    self._meters[robot] = self._lane_meter()
-                    lane.record_cycle(record, peak)
-                    result.cycles[robot] = CycleResult(chunk, events, record)
-                elif events:
-                    result.text_events[robot] = events
-            return result
+            return self._loop.run(observations, deadlines, on_action)
 
     def warm_up(self, observations: Mapping[Hashable, Observation]) -> float:
         """Run the batched action path once for typical observations of the robots given, keep
@@ -307,18 +224,9 @@ class Fleet:
         with self._core.lock:
             if self._closed:
                 raise RuntimeError("fleet is closed")
-            t0 = time.perf_counter()
-            pool = self._core.pool
-            peak = pool.peak_used_blocks
-            meter = CycleMeter(pool, StepCostEstimator(self.config.step_cost_quantile, 1),
-                               self._core.runner.counters)
-            try:
-                frames = {robot: self.robot(robot).lane.action_frame(obs) for robot, obs in observations.items()}
-                self._act(frames, t0, meter, None)
-            finally:
-                self._core.planner.tree.clear()
-                pool.peak_used_blocks = peak
-            return time.perf_counter() - t0
+            for robot in observations:
+                self.robot(robot)
+            return self._loop.warm_up(observations)
 
     def metrics(self) -> dict[Hashable, dict]:
         """Per robot, its engine's metrics summary (:meth:`Engine.metrics`)."""
@@ -348,122 +256,3 @@ class Fleet:
         with self._core.lock:
             self._closed = True
         return {robot: self.remove_robot(robot) for robot in list(self._engines)}
-
-    # ------------------------------------------------------------------ cycle steps
-
-    def _lanes(self) -> dict[Hashable, EngineLane]:
-        """Every robot's cycle steps (:attr:`Engine.lane`), in the order the robots were added."""
-        return {robot: engine.lane for robot, engine in self._engines.items()}
-
-    def _lane_meter(self) -> CycleMeter:
-        # A robot's meter only counts its generated tokens: the shared work is timed once by the
-        # cycle's meter (which alone teaches the shared step-cost estimator).
-        return CycleMeter(self._core.pool, StepCostEstimator(1.0, 1), self._core.runner.counters)
-
-    def _act(self, frames: dict[Hashable, Frame], t0: float, meter: CycleMeter,
-             on_action: Callable[[Hashable, ActionChunk], None] | None
-             ) -> tuple[dict[Hashable, ActionChunk], dict[Hashable, torch.Tensor]]:
-        """Encode every robot's cameras in one vision call, prefill the action prefixes (one batched
-        call per tree level), denoise them in one batch per number of denoising steps, hand the
-        chunks out in ``frames``' (deadline) order."""
-        if not frames:
-            return {}, {}
-        robots = list(frames)
-        lanes = [self._engines[r].lane for r in robots]
-        runner = self._core.runner
-        with meter.phase("encode_s"):
-            encoded = runner.encode_groups([(lane.io, frames[r].images) for r, lane in zip(robots, lanes)])
-        features = dict(zip(robots, encoded))
-        jobs = [lane.action_job(frames[r], features[r]) for r, lane in zip(robots, lanes)]
-        nodes = dict(zip(robots, self._core.planner.nodes(jobs, meter)))
-        groups: dict[tuple[int, bool], list[Hashable]] = {}
-        states = {}
-        noises = {}
-        for robot, lane in zip(robots, lanes):
-            obs = frames[robot].obs
-            states[robot] = lane.state_tensor(obs)
-            noises[robot] = lane.noise(obs)
-            key = (lane.config.action.num_denoise_steps, states[robot] is None)
-            groups.setdefault(key, []).append(robot)
-        actions = {}
-        with meter.phase("denoise_s"):
-            for (steps, stateless), members in groups.items():
-                out = runner.denoise_batch([nodes[r].seq for r in members],
-                                           torch.cat([noises[r] for r in members]), steps,
-                                           None if stateless else [states[r] for r in members])
-                actions.update(zip(members, out))
-        chunks = {}
-        for robot, lane, job in zip(robots, lanes, jobs):
-            frame = frames[robot]
-            chunk = chunks[robot] = lane.finish_action(frame, actions[robot], t0, tuple(job.prompt_ids))
-            if on_action is not None:
-                on_action(robot, chunk)
-        return chunks, features
-
-    def _language(self, deadline: float, meter: CycleMeter, deadlines: dict[Hashable, float]) -> bool:
-        """Admission per robot and batched decode steps across robots within the slack before
-        ``deadline`` (UnifiedMode's rules, over every robot); True when overloaded."""
-        config, estimator = self.config, self._core.estimator
-        deadline_mode = config.scheduling == "deadline"
-        budget = admission_budget(config, estimator, deadline)
-        # Admission: least recently admitted robot first, each against its own share of the pool.
-        lanes = self._lanes()
-        order = sorted(lanes, key=lambda r: (self._admitted_at.get(r, -1), deadlines.get(r, float("inf"))))
-        overloaded = False
-        plans = []
-        for robot in order:
-            lane = lanes[robot]
-            if not lane.has_waiting:
-                continue
-            plan = lane.admit(self._last_stamp.get(robot, -float("inf")), budget,
-                              config.min_admissions_per_cycle if deadline_mode else 0)
-            overloaded |= plan.forced > 0
-            if plan.admitted:
-                if budget != float("inf"):
-                    cost = sum(lane.prefill_cost(r) for r in plan.requests)
-                    budget = max(0.0, budget - cost)
-                self._admitted_at[robot] = self._admit_round
-                plans.append((lane, plan, lane.prefix_jobs(plan)))
-        self._admit_round += 1
-        if plans:
-            nodes = self._core.planner.nodes([job for _, _, jobs in plans for job in jobs], meter)
-            start = 0
-            for lane, plan, jobs in plans:
-                lane.begin(plan, nodes[start:start + len(jobs)])
-                start += len(jobs)
-
-        def apply_cancels() -> None:
-            for lane in lanes.values():
-                lane.apply_cancels()
-
-        return decode_within_budget(config, estimator, deadline, apply_cancels, self._decode_batch,
-                                    lambda batch: self._step(batch, meter)) or overloaded
-
-    def _decode_batch(self) -> list[tuple[Hashable, Request]]:
-        """The cross-robot decode batch: each robot's own order (priority, then age, up to its
-        ``max_batch_size``), merged round-robin, least recently served robot first, up to the
-        fleet's ``max_batch_size``. Any prefix of it holds every robot's best request before any
-        robot's second, and a robot left out of a step goes first in the next."""
-        per_robot = [(robot, lane.decode_batch()) for robot, lane in self._lanes().items()]
-        per_robot = [(robot, batch) for robot, batch in per_robot if batch]
-        per_robot.sort(key=lambda item: self._decoded_at.get(item[0], -1))
-        merged = []
-        depth = max((len(batch) for _, batch in per_robot), default=0)
-        for i in range(depth):
-            merged.extend((robot, batch[i]) for robot, batch in per_robot if i < len(batch))
-        return merged[:self.config.max_batch_size]
-
-    def _step(self, batch: list[tuple[Hashable, Request]], meter: CycleMeter) -> None:
-        """One batched decode step of requests of several robots (one token each)."""
-        manager, runner = self._core.manager, self._core.runner
-        requests = [request for _, request in batch]
-        t = time.perf_counter()
-        for request in requests:   # within the request's admission charge: cannot fail
-            manager.prepare_append(request.kv, 1)
-        logits = runner.decode_step([r.kv for r in requests], [r.output_ids[-1] for r in requests])
-        tokens = sample_tokens(logits, requests)
-        meter.decode_step(len(batch), time.perf_counter() - t)
-        for (robot, request), token in zip(batch, tokens):
-            self._engines[robot].lane.add_token(request, token)
-            self._decoded_at[robot] = self._step_index
-        self._step_index += 1

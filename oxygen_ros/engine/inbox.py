@@ -89,20 +89,20 @@ class Inbox:
                 self._starting.pop(request_id, None)
 
     def end_unstarted(self, submission: Submission, status: RequestStatus,
-                      obs: Observation | None = None) -> None:
-        """End a submission that never became a request (one final event, no observation when
-        ``obs`` is None)."""
+                      obs: Observation | None = None, reason: str = "") -> None:
+        """End a submission that never became a request (one final event with the ``reason`` if any,
+        no observation when ``obs`` is None)."""
         with self._lock:
             self._starting.pop(submission.request_id, None)
         self._outputs.unstarted(submission.request_id, submission.task.name, submission.task.kind,
-                                status, obs)
+                                status, obs, reason)
 
-    def abandon(self, obs: Observation) -> None:
-        """A cycle failed: submissions it took but did not queue end as ``dropped``."""
+    def abandon(self, obs: Observation, reason: str = "the cycle that took it failed") -> None:
+        """A cycle failed: submissions it took but did not queue end as ``dropped`` with ``reason``."""
         with self._lock:
             abandoned, self._starting = self._starting, {}
         for request_id, task in abandoned.items():
-            self._outputs.unstarted(request_id, task.name, task.kind, RequestStatus.DROPPED, obs)
+            self._outputs.unstarted(request_id, task.name, task.kind, RequestStatus.DROPPED, obs, reason)
 
     def withdraw_all(self, status: RequestStatus) -> None:
         """End every submission no cycle has started with ``status``."""

@@ -1,6 +1,6 @@
-"""A cycle's observe step: what the engine reads from an observation (the camera images and their
-mask, prompt token ids within the model's prompt budget, the language requests a cycle starts from
-it) and what the observation changes (triggers, a new instruction); together a :class:`Frame`."""
+"""What the control loop's observe step (``cycle.py``) reads from an observation: the camera images
+and their mask, prompt token ids within the model's prompt budget, the language requests a cycle
+starts from it; together a :class:`Frame`."""
 
 from __future__ import annotations
 
@@ -13,9 +13,6 @@ from oxygen_ros.engine.config import EngineConfig, TaskConfig
 from oxygen_ros.engine.inbox import Inbox
 from oxygen_ros.engine.model_io import ModelIO
 from oxygen_ros.engine.request import Request
-from oxygen_ros.engine.scheduler import Scheduler
-from oxygen_ros.engine.subtask import SubtaskState
-from oxygen_ros.engine.triggers import Triggers
 from oxygen_ros.engine.types import Observation, RequestStatus
 
 
@@ -87,8 +84,10 @@ class ObservationReader:
     def requests(self, obs: Observation, mask: tuple[bool, ...], fired: list[TaskConfig],
                  inbox: Inbox, t_arrival: float) -> list[Request]:
         """The requests of the tasks that ``fired`` and of the submissions waiting in ``inbox``, for
-        ``obs`` (cameras ``mask``). A fired task's prompt over the budget raises ValueError; a
-        submission's ends that submission only, as ``dropped``."""
+        ``obs`` (cameras ``mask``). A fired task's prompt over the budget raises ValueError. A
+        submission whose prompt cannot be built (over the budget, or a template the prompt builder
+        refuses) ends that submission only, as ``dropped`` with the reason: one bad request never
+        costs the robot its cycle or another request."""
         image_tokens = sum(mask) * self._tokens_per_camera
         requests = [Request(task, obs.seq, obs.stamp, self.prompt_ids(task.prompt_template, obs),
                             image_tokens, mask, t_arrival, tag=obs.tag, instruction=obs.instruction,
@@ -97,8 +96,9 @@ class ObservationReader:
         for submission in inbox.take():
             try:
                 ids = self.prompt_ids(submission.task.prompt_template, obs, submission.instruction)
-            except ValueError:
-                inbox.end_unstarted(submission, RequestStatus.DROPPED, obs)
+            except Exception as error:      # the request is the unit of failure, not the cycle
+                inbox.end_unstarted(submission, RequestStatus.DROPPED, obs,
+                                    reason=f"prompt not built: {type(error).__name__}: {error}")
                 continue
             instruction = obs.instruction if submission.instruction is None else submission.instruction
             own = instruction == obs.instruction and \
@@ -107,44 +107,3 @@ class ObservationReader:
                                     mask, t_arrival, request_id=submission.request_id, tag=obs.tag,
                                     instruction=instruction, subtask_source=own, robot=self._robot))
         return requests
-
-
-class Observer:
-    """The observe step of one robot's cycles; the one place where a new instruction is handled.
-
-    Args:
-        reader: reads the observation (cameras, prompts, requests).
-        triggers: when the language tasks fire.
-        subtask: the robot's latest subtask (π0.5's subtask loop; inert when off).
-        inbox: cross-thread cancellations and submissions.
-        scheduler: the active requests (a new instruction cancels some).
-    """
-
-    def __init__(self, reader: ObservationReader, triggers: Triggers, subtask: SubtaskState, inbox: Inbox,
-                 scheduler: Scheduler):
-        self._reader = reader
-        self._triggers = triggers
-        self._subtask = subtask
-        self._inbox = inbox
-        self._scheduler = scheduler
-
-    def observe(self, obs: Observation, t0: float) -> Frame:
-        """Apply the cross-thread cancellations, read the camera images, fire the triggers (a new
-        instruction clears the subtask and cancels the requests of tasks with
-        ``cancel_on_new_instruction``), choose the action prompt (the plain one, or the subtask prompt
-        once the loop has a subtask) and build the requests ``obs`` starts (arrival ``t0``, a
-        ``time.perf_counter()`` instant).
-
-        Raises:
-            ValueError: an unknown camera slot, no camera, or a prompt over the model's budget.
-        """
-        self._inbox.apply()
-        images, mask = self._reader.camera_images(obs)
-        fired, new_instruction = self._triggers.observe(obs)
-        if new_instruction:
-            self._subtask.new_instruction(obs.instruction)
-            self._inbox.cancel_requests([r for r in self._scheduler.active
-                                         if r.task.cancel_on_new_instruction])
-        action_ids, subtask = self._subtask.action_prompt(lambda template: self._reader.prompt_ids(template, obs))
-        requests = self._reader.requests(obs, mask, fired, self._inbox, t0)
-        return Frame(obs, images, mask, action_ids, requests, subtask)

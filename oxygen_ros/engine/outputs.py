@@ -94,12 +94,13 @@ class OutputAssembler:
             request.next_logits = None
 
     def unstarted(self, request_id: int, task: str, kind: str, status: RequestStatus,
-                  obs: Observation | None) -> None:
-        """The final event (and record) of a submitted request that never started; without an
-        observation it carries ``seq`` -1, ``stamp`` 0.0 and no tag."""
+                  obs: Observation | None, reason: str = "") -> None:
+        """The final event (and record) of a submitted request that never started, with the
+        ``reason`` when there is one; without an observation it carries ``seq`` -1, ``stamp`` 0.0 and
+        no tag."""
         seq, stamp, tag = (-1, 0.0, None) if obs is None else (obs.seq, obs.stamp, obs.tag)
         self._events.append(TextEvent(request_id, task, seq, stamp, "", "", [], True, status,
-                                      kind=kind, tag=tag))
+                                      kind=kind, tag=tag, reason=reason))
         self._metrics.add_request(RequestRecord(request_id, task, status.value, 0, None, 0.0))
 
     def take(self) -> list[TextEvent]:

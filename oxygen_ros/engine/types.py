@@ -121,6 +121,8 @@ class TextEvent:
         tag: the triggering observation's :attr:`Observation.tag`; None for a request submitted and
             ended before any observation started it.
         memory: the :class:`MemoryEntry` of a completed memory request (final event only), else None.
+        reason: why a request ended without running (final event only; e.g. a submission whose
+            prompt could not be built), else "".
     """
 
     request_id: int
@@ -136,6 +138,7 @@ class TextEvent:
     kind: str = "speech"
     tag: Any = field(default=None, repr=False)
     memory: MemoryEntry | None = field(default=None, repr=False)
+    reason: str = ""
 
 
 # A final text output is the final event of a request.
