@@ -125,3 +125,51 @@ def test_replay_rejects_bad_arguments(ros_context, tmp_path):
         parse_remaps(["/a=/b"])
     with pytest.raises(FileNotFoundError):
         BagPlayer(tmp_path / "missing", context=ros_context)
+
+
+def _image(typestore, i: int):
+    """A 2x3 rgb8 ``sensor_msgs/Image`` (rosbags) whose stamp and first byte are ``i``."""
+    image = typestore.types["sensor_msgs/msg/Image"]
+    header = typestore.types["std_msgs/msg/Header"]
+    stamp = typestore.types["builtin_interfaces/msg/Time"]
+    return image(header=header(stamp=stamp(sec=i, nanosec=0), frame_id="cam"), height=2, width=3,
+                 encoding="rgb8", is_bigendian=0, step=9, data=np.full(18, i, dtype=np.uint8))
+
+
+def test_unfinished_mcap_is_read_up_to_its_last_complete_chunk(tmp_path):
+    """A recording cut anywhere (the file as a crash leaves it): every message of a chunk complete on disk is
+    read, nothing of a cut chunk, and a cut inside the file's first bytes reads as empty."""
+    from oxygen_ros.tools.bag_reader import UnfinishedMcapReader, open_bag
+    from oxygen_ros.tools.bag_recorder import BagWriter
+
+    bag = tmp_path / "bag"
+    writer = BagWriter(bag)
+    typestore = writer.typestore
+    writer.add_topic("/cam/image_raw", "sensor_msgs/msg/Image")
+    mcap = next(bag.glob("*.mcap"))
+    flushed_sizes = []
+    for batch in range(3):
+        for i in range(batch * 4, batch * 4 + 4):
+            writer.write("/cam/image_raw", typestore.serialize_cdr(_image(typestore, i), "sensor_msgs/msg/Image"),
+                         1_000_000_000 + i)
+        writer.flush()
+        flushed_sizes.append(mcap.stat().st_size)
+    full = mcap.read_bytes()
+    writer.close()
+    assert len(full) == flushed_sizes[-1]
+
+    cut = tmp_path / "cut.mcap"
+    # flushed_sizes[k]: the file right after flush k, i.e. 4 (k + 1) messages in complete chunks
+    for size, expected in [(0, 0), (5, 0), (flushed_sizes[0] - 1, 0), (flushed_sizes[0] + 30, 4),
+                           ((flushed_sizes[0] + flushed_sizes[1]) // 2, 4), (flushed_sizes[1] + 100, 8),
+                           (flushed_sizes[2], 12)]:
+        cut.write_bytes(full[:size])
+        reader = UnfinishedMcapReader([cut])
+        stamps = [stamp for _, stamp, _ in reader.messages()]
+        assert stamps == [1_000_000_000 + i for i in range(expected)], (size, stamps)
+        assert reader.recovery.messages == expected and not reader.recovery.finished
+        assert reader.recovery.skipped_bytes <= size
+    # The closed bag's file reads whole through its footer, and as a rosbag2 with rosbags.
+    reader = UnfinishedMcapReader([mcap])
+    assert reader.recovery.messages == 12 and reader.recovery.finished and reader.recovery.skipped_bytes == 0
+    assert type(open_bag(bag, typestore)).__name__ == "AnyReader"

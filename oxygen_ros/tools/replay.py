@@ -16,6 +16,10 @@ QoS: every topic is published reliable (compatible with reliable and best-effort
 ``std_msgs/String`` topics (instructions) also transient local with depth 1, so a node that subscribes
 late still gets the last instruction, as the oxygen node's instruction subscription expects.
 
+A recording whose recorder was killed (no ``metadata.yaml``, an MCAP without its footer) is replayed up to
+its last complete chunk, with a warning that says how many messages were recovered and how much of the
+file's end was skipped (``bag_reader``).
+
 With ``--node`` the oxygen node (``OxygenNode``) runs in the same process and executor, with the given
 parameter file and ``--param`` overrides, and the player prints how many action chunks it published.
 """
@@ -32,8 +36,9 @@ import rclpy
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
-from rosbags.highlevel import AnyReader
+from rclpy.serialization import deserialize_message, serialize_message
 
+from oxygen_ros.tools.bag_reader import open_bag
 from oxygen_ros.tools.bag_recorder import message_class, project_typestore
 
 _LATCHED_TYPES = {"std_msgs/msg/String"}
@@ -57,8 +62,11 @@ def parse_remaps(remaps: Iterable[str]) -> dict[str, str]:
 class BagPlayer(Node):
     """Publishes the messages of a rosbag2 at the recorded rate (see the module docstring).
 
+    A recording its recorder never closed (killed: no ``metadata.yaml``, an MCAP without footer) is read up
+    to its last complete record (``bag_reader.open_bag``); :attr:`recovery` then says what was recovered.
+
     Args:
-        bag: rosbag2 directory (MCAP or sqlite3 storage), or a single ``.mcap`` / ``.db3`` file's folder.
+        bag: rosbag2 directory (MCAP or sqlite3 storage), or a single ``.mcap`` file.
         remap: recorded topic → published topic.
         topics: replay only these recorded topics; None replays all.
         rate: playback speed factor (2.0 = twice as fast).
@@ -69,6 +77,7 @@ class BagPlayer(Node):
 
     Raises:
         FileNotFoundError: ``bag`` does not exist.
+        oxygen_ros.tools.bag_reader.BagError: ``bag`` is not a readable bag.
         ValueError: ``rate`` is not positive, or none of ``topics`` is in the bag.
     """
 
@@ -83,13 +92,15 @@ class BagPlayer(Node):
             raise ValueError(f"rate must be positive, got {rate}")
         self.rate, self.loop, self.restamp = rate, loop, restamp
         self.remap = dict(remap or {})
-        self.typestore = project_typestore()
-        self._reader = AnyReader([self.bag], default_typestore=self.typestore)
-        self._reader.open()
+        self._reader = open_bag(self.bag, project_typestore())
+        self.recovery = getattr(self._reader, "recovery", None)
+        if self.recovery is not None and not self.recovery.finished:
+            self.get_logger().warning(self.recovery.describe())
         wanted = set(topics) if topics is not None else None
         self._connections = [c for c in self._reader.connections if wanted is None or c.topic in wanted]
         if not self._connections:
             raise ValueError(f"none of the topics {sorted(wanted or [])} is in {self.bag}")
+        self._classes = {c.id: message_class(c.msgtype) for c in self._connections}
         self._replay_publishers = {}
         for connection in self._connections:
             topic = self.remap.get(connection.topic, connection.topic)
@@ -99,7 +110,7 @@ class BagPlayer(Node):
             else:
                 qos = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
             self._replay_publishers[connection.id] = self.create_publisher(
-                message_class(connection.msgtype), topic, qos)
+                self._classes[connection.id], topic, qos)
         self.published: dict[str, int] = {self.remap.get(c.topic, c.topic): 0 for c in self._connections}
         self.finished = threading.Event()
         self._stop = threading.Event()
@@ -129,12 +140,12 @@ class BagPlayer(Node):
     def _serialized(self, connection, raw: bytes) -> bytes:
         if not self.restamp:
             return bytes(raw)
-        msg = self._reader.deserialize(raw, connection.msgtype)
+        msg = deserialize_message(bytes(raw), self._classes[connection.id])
         if not hasattr(msg, "header"):
             return bytes(raw)
         now = self.get_clock().now().nanoseconds
         msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(now, 1_000_000_000)
-        return bytes(self.typestore.serialize_cdr(msg, connection.msgtype))
+        return serialize_message(msg)
 
     def _play(self) -> None:
         start_ns = self._reader.start_time
@@ -217,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             executor.spin_once(timeout_sec=0.1)
         for topic, count in player.published.items():
             print(f"{topic}: {count} messages")
+        if player.recovery is not None and not player.recovery.finished:
+            print(player.recovery.describe())
         if args.node:
             print(f"action chunks published by the oxygen node: {len(chunks)}")
     except (KeyboardInterrupt, ExternalShutdownException):
