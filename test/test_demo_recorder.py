@@ -76,15 +76,6 @@ def test_recorder_writes_every_topic_readable_field_for_field(ros_context, tmp_p
     np.testing.assert_array_equal(got.actions, np.array([0.5, -1.0, 2.0, 3.25], dtype=np.float32))
 
 
-def _oxygen_ros(*args: str) -> list[str]:
-    """The command line of the installed ``oxygen_ros`` program (record, replay, ...)."""
-    import sys
-
-    from node_support import INSTALL_PREFIX
-
-    return [sys.executable, str(INSTALL_PREFIX / "lib" / "oxygen_ros" / "oxygen_ros"), *args]
-
-
 def test_killed_recorder_bag_replays_up_to_its_last_flush(ros_context, tmp_path):
     """`oxygen_ros record` SIGKILLed: every message flushed before the kill is replayed, with a report of the
     recovery. Small messages (the node's own outputs) never fill rosbags' 1 MiB chunk, so only the periodic
@@ -97,7 +88,7 @@ def test_killed_recorder_bag_replays_up_to_its_last_flush(ros_context, tmp_path)
     from rclpy.node import Node
     from rclpy.qos import QoSProfile, ReliabilityPolicy
 
-    from node_support import wait_for
+    from node_support import oxygen_ros_command, wait_for
     from oxygen_ros.msg import ActionChunk
     from oxygen_ros.tools.bag_reader import UnfinishedMcapReader
     from oxygen_ros.tools.replay import BagPlayer
@@ -105,9 +96,10 @@ def test_killed_recorder_bag_replays_up_to_its_last_flush(ros_context, tmp_path)
     flush_period_s = 0.5
     topic = "/crash_test/action_chunk"
     bag = tmp_path / "bag"
-    recorder = subprocess.Popen(_oxygen_ros("record", "-o", str(bag), "--topics", topic,
-                                            "--flush-period", str(flush_period_s)),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    log = (tmp_path / "recorder.log").open("w")
+    recorder = subprocess.Popen(oxygen_ros_command("record", "-o", str(bag), "--topics", topic,
+                                                   "--flush-period", str(flush_period_s)),
+                                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     talker = Node("talker", context=ros_context)
     publisher = talker.create_publisher(ActionChunk, topic,
                                         QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
@@ -146,13 +138,14 @@ def test_killed_recorder_bag_replays_up_to_its_last_flush(ros_context, tmp_path)
         if recorder.poll() is None:
             recorder.kill()
             recorder.wait()
+        log.close()
         executor.shutdown()
         talker.destroy_node()
     assert not (bag / "metadata.yaml").exists()
 
     # The product's replay, as a user runs it: recovers and says so.
-    replay = subprocess.run(_oxygen_ros("replay", str(bag), "--rate", "100"), capture_output=True, text=True,
-                            timeout=300, env=dict(os.environ))
+    replay = subprocess.run(oxygen_ros_command("replay", str(bag), "--rate", "100"), capture_output=True,
+                            text=True, timeout=300, env=dict(os.environ))
     output = replay.stdout + replay.stderr
     print(output)
     assert replay.returncode == 0, output
