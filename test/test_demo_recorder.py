@@ -121,7 +121,7 @@ def test_killed_recorder_bag_replays_up_to_its_last_flush(ros_context, tmp_path)
             published += 1
 
     try:
-        assert spin_until(executor, lambda: publisher.get_subscription_count() > 0, timeout=60.0), \
+        assert spin_until(executor, lambda: publisher.get_subscription_count() > 0, timeout=120.0), \
             "the recorder never subscribed"
         # Two flush boundaries seen on disk: each batch is complete in the file well within many periods.
         publish(20)

@@ -1,6 +1,8 @@
 """Replay of rosbag2 recordings (MCAP and sqlite3) into a live graph at the recorded rate, with remapping."""
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import time
 
 import numpy as np
@@ -96,7 +98,9 @@ def test_replay_sqlite3_bag_with_restamp(ros_context, tmp_path):
                               effort=np.array([], dtype=np.float64))
             writer.write("/joint_states", typestore.serialize_cdr(msg, "sensor_msgs/msg/JointState"),
                          1_000_000_000 + i * 50_000_000)
-    assert list(bag.glob("*.db3"))
+        writer.flush()  # sqlite3: a commit, visible to another connection before the bag is closed
+        with contextlib.closing(sqlite3.connect(next(bag.glob("*.db3")))) as db:
+            assert db.execute("SELECT COUNT(*) FROM messages").fetchone() == (5,)
 
     probe, received = _probe(ros_context, {"/replayed/joints": JointState})
     player = BagPlayer(bag, remap={"/joint_states": "/replayed/joints"}, restamp=True, context=ros_context)
@@ -211,7 +215,7 @@ def test_replay_error_is_one_line_and_an_exit_status(tmp_path, case):
     elif case == "rate 0":
         args, status, message = [str(tmp_path), "--rate", "0"], 2, "error: argument --rate: must be positive"
     else:
-        args, status, message = [str(tmp_path)], 1, "has no metadata.yaml"
+        args, status, message = [str(tmp_path)], 1, f"error: {tmp_path} is not a rosbag2"
     result = _run("replay", *args)
     assert result.returncode == status, result.stderr
     assert "Traceback" not in result.stderr + result.stdout

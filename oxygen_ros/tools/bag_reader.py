@@ -224,7 +224,9 @@ def open_bag(path: Path | str, typestore: Typestore):
         except AnyReaderError as err:
             if not mcaps:
                 raise BagError(f"{path}: {err}") from None
+    elif any(path.glob("*.db3")) and not mcaps:
+        raise BagError(f"{path} has no metadata.yaml: an sqlite3 bag its recorder never closed, which cannot be "
+                       "recovered here")
     elif not mcaps:
-        kind = "an sqlite3 bag (.db3) that cannot be recovered" if any(path.glob("*.db3")) else "not a rosbag2"
-        raise BagError(f"{path} has no metadata.yaml (its recorder never closed it) and no .mcap file: {kind}")
+        raise BagError(f"{path} is not a rosbag2: no metadata.yaml and no .mcap file")
     return UnfinishedMcapReader(mcaps)
