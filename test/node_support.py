@@ -40,6 +40,7 @@ def _install_prefix() -> Path:
 INSTALL_PREFIX = _install_prefix()
 EXECUTABLE = INSTALL_PREFIX / "lib" / "oxygen_ros" / "oxygen_node"
 FLEET_EXECUTABLE = INSTALL_PREFIX / "lib" / "oxygen_ros" / "oxygen_fleet_node"
+OXYGEN_ROS = INSTALL_PREFIX / "lib" / "oxygen_ros" / "oxygen_ros"   # record, replay, demo, soak
 JOINTS = ["joint_1", "joint_2", "joint_3", "joint_4", "joint_5", "joint_6", "gripper"]
 _HARNESS_IDS = itertools.count(1)
 
@@ -58,6 +59,11 @@ def executable_command(namespace: str | None = None, params_file=REPO_ROOT / "co
     if namespace is not None:
         args += ["-r", f"__ns:={namespace}"]
     return args + ["--params-file", str(params_file)] + [arg for override in overrides for arg in ("-p", override)]
+
+
+def oxygen_ros_command(*args: str) -> list[str]:
+    """The command line of the installed ``oxygen_ros`` program (``record``, ``replay`` ...) with ``args``."""
+    return [sys.executable, str(OXYGEN_ROS), *args]
 
 
 def start_executable(cwd, namespace: str | None = None, params_file=REPO_ROOT / "config" / "pi05_tiny.yaml",

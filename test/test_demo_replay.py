@@ -1,6 +1,8 @@
 """Replay of rosbag2 recordings (MCAP and sqlite3) into a live graph at the recorded rate, with remapping."""
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import time
 
 import numpy as np
@@ -96,7 +98,9 @@ def test_replay_sqlite3_bag_with_restamp(ros_context, tmp_path):
                               effort=np.array([], dtype=np.float64))
             writer.write("/joint_states", typestore.serialize_cdr(msg, "sensor_msgs/msg/JointState"),
                          1_000_000_000 + i * 50_000_000)
-    assert list(bag.glob("*.db3"))
+        writer.flush()  # sqlite3: a commit, visible to another connection before the bag is closed
+        with contextlib.closing(sqlite3.connect(next(bag.glob("*.db3")))) as db:
+            assert db.execute("SELECT COUNT(*) FROM messages").fetchone() == (5,)
 
     probe, received = _probe(ros_context, {"/replayed/joints": JointState})
     player = BagPlayer(bag, remap={"/joint_states": "/replayed/joints"}, restamp=True, context=ros_context)
@@ -125,3 +129,134 @@ def test_replay_rejects_bad_arguments(ros_context, tmp_path):
         parse_remaps(["/a=/b"])
     with pytest.raises(FileNotFoundError):
         BagPlayer(tmp_path / "missing", context=ros_context)
+    with pytest.raises(ValueError, match="rate must be positive"):
+        BagPlayer(tmp_path, rate=0.0, context=ros_context)
+
+
+def _run(*args: str):
+    """Run the installed ``oxygen_ros`` with ``args``; stdout and stderr apart, as text."""
+    import os
+    import subprocess
+
+    from node_support import oxygen_ros_command
+
+    return subprocess.run(oxygen_ros_command(*args), capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ))
+
+
+def _image(typestore, i: int):
+    """A 2x3 rgb8 ``sensor_msgs/Image`` (rosbags) whose stamp and first byte are ``i``."""
+    image = typestore.types["sensor_msgs/msg/Image"]
+    header = typestore.types["std_msgs/msg/Header"]
+    stamp = typestore.types["builtin_interfaces/msg/Time"]
+    return image(header=header(stamp=stamp(sec=i, nanosec=0), frame_id="cam"), height=2, width=3,
+                 encoding="rgb8", is_bigendian=0, step=9, data=np.full(18, i, dtype=np.uint8))
+
+
+def test_replay_skips_a_vendor_message_type_and_plays_the_cameras(ros_context, tmp_path):
+    """As ``ros2 bag play``: a topic whose type is not installed is skipped with a warning, the rest plays."""
+    from rclpy.executors import SingleThreadedExecutor
+    from rosbags.typesys import get_types_from_msg
+    from sensor_msgs.msg import Image
+
+    from oxygen_ros.tools.bag_recorder import BagWriter
+    from oxygen_ros.tools.replay import BagPlayer
+
+    bag = tmp_path / "vendor_bag"
+    with BagWriter(bag) as writer:
+        typestore = writer.typestore
+        # A vendor's message: its definition is in the bag, its Python package is not installed here.
+        typestore.register(get_types_from_msg("int32 temperature\nstring note", "acme_gripper_msgs/msg/Status"))
+        status = typestore.types["acme_gripper_msgs/msg/Status"]
+        writer.add_topic("/gripper/status", "acme_gripper_msgs/msg/Status")
+        writer.add_topic("/cam/image_raw", "sensor_msgs/msg/Image")
+        for i in range(20):
+            stamp_ns = 1_000_000_000 + i * 10_000_000
+            writer.write("/gripper/status", typestore.serialize_cdr(status(temperature=i, note="ok"),
+                                                                    "acme_gripper_msgs/msg/Status"), stamp_ns)
+            writer.write("/cam/image_raw", typestore.serialize_cdr(_image(typestore, i), "sensor_msgs/msg/Image"),
+                         stamp_ns + 1)
+
+    probe, received = _probe(ros_context, {"/cam/image_raw": Image})
+    player = BagPlayer(bag, context=ros_context)
+    executor = SingleThreadedExecutor(context=ros_context)
+    executor.add_node(probe)
+    executor.add_node(player)
+    try:
+        assert list(player.skipped) == ["/gripper/status"]
+        assert "acme_gripper_msgs/msg/Status" in player.skipped["/gripper/status"]
+        spin_until(executor, lambda: player.get_subscriptions_info_by_topic("/cam/image_raw") != [], 5.0)
+        player.start()
+        assert spin_until(executor, lambda: len(received["/cam/image_raw"]) == 20, timeout=30.0), \
+            len(received["/cam/image_raw"])
+    finally:
+        executor.shutdown()
+        player.destroy_node()
+        probe.destroy_node()
+    assert [m.header.stamp.sec for _, m in received["/cam/image_raw"]] == list(range(20))
+    assert [bytes(m.data)[0] for _, m in received["/cam/image_raw"]] == list(range(20))
+
+    # The program: exit 0, the cameras played, the vendor topic reported skipped.
+    result = _run("replay", str(bag), "--rate", "100")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Traceback" not in output
+    assert "/cam/image_raw: 20 messages" in result.stdout
+    assert "/gripper/status: skipped, message type acme_gripper_msgs/msg/Status" in result.stdout
+    assert "skipping /gripper/status" in result.stderr   # the warning, as ros2 bag play gives it
+
+
+@pytest.mark.parametrize("case", ["missing bag", "rate 0", "not a bag"])
+def test_replay_error_is_one_line_and_an_exit_status(tmp_path, case):
+    """A bag that cannot be played: one error line and status 1; a bad argument: usage, one error line,
+    status 2; never a traceback."""
+    if case == "missing bag":
+        args, status, message = [str(tmp_path / "missing")], 1, f"error: {tmp_path / 'missing'} does not exist"
+    elif case == "rate 0":
+        args, status, message = [str(tmp_path), "--rate", "0"], 2, "error: argument --rate: must be positive"
+    else:
+        args, status, message = [str(tmp_path)], 1, f"error: {tmp_path} is not a rosbag2"
+    result = _run("replay", *args)
+    assert result.returncode == status, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+
+
+def test_unfinished_mcap_is_read_up_to_its_last_complete_chunk(tmp_path):
+    """A recording cut anywhere (the file as a crash leaves it): every message of a chunk complete on disk is
+    read, nothing of a cut chunk, and a cut inside the file's first bytes reads as empty."""
+    from oxygen_ros.tools.bag_reader import UnfinishedMcapReader, open_bag
+    from oxygen_ros.tools.bag_recorder import BagWriter
+
+    bag = tmp_path / "bag"
+    writer = BagWriter(bag)
+    typestore = writer.typestore
+    writer.add_topic("/cam/image_raw", "sensor_msgs/msg/Image")
+    mcap = next(bag.glob("*.mcap"))
+    flushed_sizes = []
+    for batch in range(3):
+        for i in range(batch * 4, batch * 4 + 4):
+            writer.write("/cam/image_raw", typestore.serialize_cdr(_image(typestore, i), "sensor_msgs/msg/Image"),
+                         1_000_000_000 + i)
+        writer.flush()
+        flushed_sizes.append(mcap.stat().st_size)
+    full = mcap.read_bytes()
+    writer.close()
+    assert len(full) == flushed_sizes[-1]
+
+    cut = tmp_path / "cut.mcap"
+    # flushed_sizes[k]: the file right after flush k, i.e. 4 (k + 1) messages in complete chunks
+    for size, expected in [(0, 0), (5, 0), (flushed_sizes[0] - 1, 0), (flushed_sizes[0] + 30, 4),
+                           ((flushed_sizes[0] + flushed_sizes[1]) // 2, 4), (flushed_sizes[1] + 100, 8),
+                           (flushed_sizes[2], 12)]:
+        cut.write_bytes(full[:size])
+        reader = UnfinishedMcapReader([cut])
+        stamps = [stamp for _, stamp, _ in reader.messages()]
+        assert stamps == [1_000_000_000 + i for i in range(expected)], (size, stamps)
+        assert reader.recovery.messages == expected and not reader.recovery.finished
+        assert reader.recovery.skipped_bytes <= size
+    # The closed bag's file reads whole through its footer, and as a rosbag2 with rosbags.
+    reader = UnfinishedMcapReader([mcap])
+    assert reader.recovery.messages == 12 and reader.recovery.finished and reader.recovery.skipped_bytes == 0
+    assert type(open_bag(bag, typestore)).__name__ == "AnyReader"

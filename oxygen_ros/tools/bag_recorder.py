@@ -18,6 +18,7 @@ API:
 Command line (records until Ctrl-C)::
 
     python -m oxygen_ros.tools.bag_recorder [-o BAG_DIR] [--topics /a /b ...] [--exclude REGEX]
+        [--flush-period S]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import os
 import re
 import threading
 from pathlib import Path
@@ -43,6 +45,7 @@ from rosbags.typesys.store import Typestore
 
 PACKAGE = "oxygen_ros"
 STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
+FLUSH_PERIOD_S = 1.0  # the recorder's default flush period [s]: what a killed recorder can lose
 
 
 def default_run_dir(root: Path | str = "runs") -> Path:
@@ -140,6 +143,11 @@ class BagWriter:
     Connections are created on the first message of a topic. Use as a context manager or call
     :meth:`close`; the bag is only complete (``metadata.yaml`` written) after closing.
 
+    Until :meth:`flush`, written messages may exist only in memory: rosbags' MCAP storage keeps the open
+    chunk in memory until it reaches 1 MiB, its sqlite3 storage commits only at close. A process killed
+    before closing keeps what was flushed: :class:`BagRecorder` flushes every ``flush_period_s``, and
+    ``oxygen_ros replay`` (``bag_reader.open_bag``) reads an unclosed MCAP bag up to its last flush.
+
     Args:
         path: bag directory to create (must not exist; its parent is created).
         storage: ``"mcap"`` or ``"sqlite3"``.
@@ -154,6 +162,7 @@ class BagWriter:
         if storage not in STORAGES:
             raise ValueError(f"storage must be one of {sorted(STORAGES)}, got {storage!r}")
         self.path = Path(path)
+        self.storage = storage
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.typestore = typestore if typestore is not None else project_typestore()
         self._writer = Writer(self.path, version=9, storage_plugin=STORAGES[storage])
@@ -188,6 +197,27 @@ class BagWriter:
                 return
             self._writer.write(self._connections[topic], stamp_ns, data)
             self._counts[topic] += 1
+
+    def flush(self) -> None:
+        """Put every message written so far on disk, so that a crash (SIGKILL, OOM, power loss) keeps them.
+
+        MCAP: ends the open chunk (a complete chunk record, readable without the file's summary), then
+        flushes the file and syncs it to the disk (``os.fsync``). sqlite3: commits. Does nothing after
+        :meth:`close`.
+        """
+        # rosbags' Writer has no flush of its own: this drives its storage plugin (rosbags pinned in
+        # requirements/python.txt; test_demo_recorder's crash test covers it).
+        with self._lock:
+            if self._closed:
+                return
+            storage = self._writer.storage
+            if self.storage == "mcap":
+                if storage.chunk.msgs:  # definitions alone wait for their first message
+                    storage.close_chunk()
+                storage.bio.flush()
+                os.fsync(storage.bio.fileno())
+            else:
+                storage.conn.commit()
 
     @property
     def message_counts(self) -> dict[str, int]:
@@ -224,6 +254,10 @@ class BagRecorder(Node):
     instruction is recorded), keep last ``depth``. Callbacks run in one mutually exclusive callback
     group, so they never block other nodes of a multi-threaded executor on each other.
 
+    Every ``flush_period_s`` it flushes the bag to disk (:meth:`BagWriter.flush`): a recorder killed
+    without closing (SIGKILL, OOM, power loss) loses at most the messages of the last flush period, and
+    ``oxygen_ros replay`` reads the rest.
+
     Args:
         output: the bag directory to create, e.g. ``default_run_dir() / "bag"``.
         topics: record only these topics (exact names); None records all.
@@ -231,6 +265,7 @@ class BagRecorder(Node):
         storage: ``"mcap"`` (default) or ``"sqlite3"``.
         discovery_period_s: topic discovery period [s].
         depth: subscription queue depth [messages].
+        flush_period_s: how often the bag is flushed to disk [s]; what a crash can lose.
         node_name: the node's name.
         **node_kwargs: forwarded to ``rclpy.node.Node`` (``context=``, ``namespace=`` ...).
 
@@ -239,7 +274,7 @@ class BagRecorder(Node):
 
     def __init__(self, output: Path | str, *, topics: Iterable[str] | None = None,
                  exclude: str | None = None, storage: str = "mcap",
-                 discovery_period_s: float = 0.5, depth: int = 50,
+                 discovery_period_s: float = 0.5, depth: int = 50, flush_period_s: float = FLUSH_PERIOD_S,
                  node_name: str = "bag_recorder", **node_kwargs):
         super().__init__(node_name, **node_kwargs)
         self.writer: BagWriter | None = None    # stays None when the writer cannot open (close() is then a no-op)
@@ -252,6 +287,7 @@ class BagRecorder(Node):
         self._skipped: set[str] = set()
         self._discover()
         self._timer = self.create_timer(discovery_period_s, self._discover, callback_group=self._group)
+        self._flush_timer = self.create_timer(flush_period_s, self.writer.flush, callback_group=self._group)
 
     @property
     def path(self) -> Path:
@@ -327,10 +363,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topics", nargs="+", default=None, help="record only these topics")
     parser.add_argument("--exclude", default=None, help="regular expression of topics not to record")
     parser.add_argument("--storage", choices=sorted(STORAGES), default="mcap")
+    parser.add_argument("--flush-period", type=float, default=FLUSH_PERIOD_S, metavar="S",
+                        help="flush the bag to disk every S seconds: a killed recorder loses at most the "
+                             f"last S seconds (default {FLUSH_PERIOD_S:g})")
     args = parser.parse_args(argv)
+    if args.flush_period <= 0:
+        parser.error(f"argument --flush-period: must be positive, got {args.flush_period:g}")
     output = args.output or default_run_dir() / "bag"
     rclpy.init()
-    recorder = BagRecorder(output, topics=args.topics, exclude=args.exclude, storage=args.storage)
+    recorder = BagRecorder(output, topics=args.topics, exclude=args.exclude, storage=args.storage,
+                           flush_period_s=args.flush_period)
     recorder.get_logger().info(f"recording to {output}")
     try:
         rclpy.spin(recorder)

@@ -16,6 +16,13 @@ QoS: every topic is published reliable (compatible with reliable and best-effort
 ``std_msgs/String`` topics (instructions) also transient local with depth 1, so a node that subscribes
 late still gets the last instruction, as the oxygen node's instruction subscription expects.
 
+Like ``ros2 bag play``, topics whose message type is not installed here (a vendor's messages) are skipped
+with a warning and the rest is replayed. A recording whose recorder was killed (no ``metadata.yaml``, an
+MCAP without its footer) is replayed up to its last complete chunk, with a warning that says how many
+messages were recovered and how much of the file's end was skipped (``bag_reader``). Errors (a missing or
+unreadable bag, nothing to replay) end the program with one line ``oxygen_ros replay: error: ...`` and exit
+status 1; bad arguments (``--rate 0``) with the usage and status 2.
+
 With ``--node`` the oxygen node (``OxygenNode``) runs in the same process and executor, with the given
 parameter file and ``--param`` overrides, and the player prints how many action chunks it published.
 """
@@ -32,8 +39,9 @@ import rclpy
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
-from rosbags.highlevel import AnyReader
+from rclpy.serialization import deserialize_message, serialize_message
 
+from oxygen_ros.tools.bag_reader import BagError, open_bag
 from oxygen_ros.tools.bag_recorder import message_class, project_typestore
 
 _LATCHED_TYPES = {"std_msgs/msg/String"}
@@ -57,8 +65,13 @@ def parse_remaps(remaps: Iterable[str]) -> dict[str, str]:
 class BagPlayer(Node):
     """Publishes the messages of a rosbag2 at the recorded rate (see the module docstring).
 
+    A recording its recorder never closed (killed: no ``metadata.yaml``, an MCAP without footer) is read up
+    to its last complete record (``bag_reader.open_bag``); :attr:`recovery` then says what was recovered.
+    Topics whose message type is not installed here are skipped, with a warning, and listed in
+    :attr:`skipped`; the others are replayed.
+
     Args:
-        bag: rosbag2 directory (MCAP or sqlite3 storage), or a single ``.mcap`` / ``.db3`` file's folder.
+        bag: rosbag2 directory (MCAP or sqlite3 storage), or a single ``.mcap`` file.
         remap: recorded topic → published topic.
         topics: replay only these recorded topics; None replays all.
         rate: playback speed factor (2.0 = twice as fast).
@@ -69,27 +82,50 @@ class BagPlayer(Node):
 
     Raises:
         FileNotFoundError: ``bag`` does not exist.
-        ValueError: ``rate`` is not positive, or none of ``topics`` is in the bag.
+        oxygen_ros.tools.bag_reader.BagError: ``bag`` is not a readable bag.
+        ValueError: ``rate`` is not positive, or no topic is left to replay (none of ``topics`` is in the
+            bag, or no type of them is installed).
     """
 
     def __init__(self, bag: Path | str, *, remap: dict[str, str] | None = None,
                  topics: Iterable[str] | None = None, rate: float = 1.0, loop: bool = False,
                  restamp: bool = False, node_name: str = "bag_player", **node_kwargs):
-        super().__init__(node_name, **node_kwargs)
-        self.bag = Path(bag)
-        if not self.bag.exists():
-            raise FileNotFoundError(self.bag)
+        # Everything that can fail comes before the node exists: a half-built node would still be destroyed
+        # by rclpy's shutdown.
         if rate <= 0:
-            raise ValueError(f"rate must be positive, got {rate}")
+            raise ValueError(f"rate must be positive, got {rate:g}")
+        self.bag = Path(bag)
+        reader = open_bag(self.bag, project_typestore())
+        try:
+            wanted = set(topics) if topics is not None else None
+            chosen = [c for c in reader.connections if wanted is None or c.topic in wanted]
+            self._classes, self.skipped = {}, {}
+            for connection in chosen:
+                try:
+                    self._classes[connection.id] = message_class(connection.msgtype)
+                except (ImportError, AttributeError, ValueError) as err:
+                    self.skipped[connection.topic] = f"{connection.msgtype or 'no type'} ({err})"
+            self._connections = [c for c in chosen if c.id in self._classes]
+            if not self._connections:
+                what = f"none of the topics {sorted(wanted)} is" if wanted is not None and not chosen else \
+                    "no topic with an installed message type is"
+                raise ValueError(f"{what} in {self.bag}")
+        except BaseException:
+            reader.close()
+            raise
+        self._reader = reader
+        self.recovery = getattr(reader, "recovery", None)
         self.rate, self.loop, self.restamp = rate, loop, restamp
         self.remap = dict(remap or {})
-        self.typestore = project_typestore()
-        self._reader = AnyReader([self.bag], default_typestore=self.typestore)
-        self._reader.open()
-        wanted = set(topics) if topics is not None else None
-        self._connections = [c for c in self._reader.connections if wanted is None or c.topic in wanted]
-        if not self._connections:
-            raise ValueError(f"none of the topics {sorted(wanted or [])} is in {self.bag}")
+        self.published: dict[str, int] = {self.remap.get(c.topic, c.topic): 0 for c in self._connections}
+        self.finished = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        super().__init__(node_name, **node_kwargs)
+        for topic, reason in self.skipped.items():
+            self.get_logger().warning(f"skipping {topic}: message type {reason} is not installed here")
+        if self.recovery is not None and not self.recovery.finished:
+            self.get_logger().warning(self.recovery.describe())
         self._replay_publishers = {}
         for connection in self._connections:
             topic = self.remap.get(connection.topic, connection.topic)
@@ -99,11 +135,7 @@ class BagPlayer(Node):
             else:
                 qos = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
             self._replay_publishers[connection.id] = self.create_publisher(
-                message_class(connection.msgtype), topic, qos)
-        self.published: dict[str, int] = {self.remap.get(c.topic, c.topic): 0 for c in self._connections}
-        self.finished = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+                self._classes[connection.id], topic, qos)
 
     @property
     def duration_s(self) -> float:
@@ -129,12 +161,12 @@ class BagPlayer(Node):
     def _serialized(self, connection, raw: bytes) -> bytes:
         if not self.restamp:
             return bytes(raw)
-        msg = self._reader.deserialize(raw, connection.msgtype)
+        msg = deserialize_message(bytes(raw), self._classes[connection.id])
         if not hasattr(msg, "header"):
             return bytes(raw)
         now = self.get_clock().now().nanoseconds
         msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(now, 1_000_000_000)
-        return bytes(self.typestore.serialize_cdr(msg, connection.msgtype))
+        return serialize_message(msg)
 
     def _play(self) -> None:
         start_ns = self._reader.start_time
@@ -170,14 +202,26 @@ def _parameter_overrides(items: Iterable[str]):
     return overrides
 
 
+def _positive(text: str) -> float:
+    """An argparse type: a float > 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``oxygen_ros replay``: publish a bag's topics at the recorded rate (see the module docstring)."""
+    """``oxygen_ros replay``: publish a bag's topics at the recorded rate (see the module docstring).
+
+    Returns 0 when the bag was played; a bag that cannot be played ends the program with one line on stderr
+    (``oxygen_ros replay: error: ...``) and exit status 1, a bad argument with the usage and status 2.
+    """
     parser = argparse.ArgumentParser(prog="oxygen_ros replay", description=__doc__.split("\n")[0])
     parser.add_argument("bag", type=Path, help="rosbag2 directory (MCAP or sqlite3)")
     parser.add_argument("--remap", action="append", default=[], metavar="/FROM:=/TO",
                         help="publish the recorded topic /FROM on /TO (repeatable)")
     parser.add_argument("--topics", nargs="+", default=None, help="replay only these recorded topics")
-    parser.add_argument("--rate", type=float, default=1.0, help="playback speed factor (default 1.0)")
+    parser.add_argument("--rate", type=_positive, default=1.0, help="playback speed factor (default 1.0)")
     parser.add_argument("--loop", action="store_true", help="start over at the end")
     parser.add_argument("--restamp", action="store_true", help="rewrite header.stamp to now")
     parser.add_argument("--duration", type=float, default=None,
@@ -187,13 +231,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--param", action="append", default=[], metavar="NAME:=VALUE",
                         help="an oxygen node parameter override (repeatable)")
     args = parser.parse_args(argv)
-    remap = parse_remaps(args.remap)
+    try:
+        remap = parse_remaps(args.remap)
+        overrides = _parameter_overrides(args.param) if args.node else []
+    except ValueError as err:
+        parser.error(str(err))
+    if not args.bag.exists():
+        parser.exit(1, f"{parser.prog}: error: {args.bag} does not exist\n")
 
     # Only the parameter file goes to rclpy: the player's own arguments (e.g. --remap a:=b) are not ROS's.
     rclpy_args = ["--ros-args", "--params-file", str(args.params_file)] if args.params_file else []
     rclpy.init(args=rclpy_args)
     executor = MultiThreadedExecutor(num_threads=4)
     nodes = []
+    error = None
     try:
         player = BagPlayer(args.bag, remap=remap, topics=args.topics, rate=args.rate, loop=args.loop,
                            restamp=args.restamp)
@@ -203,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             from oxygen_ros.msg import ActionChunk
             from oxygen_ros.node.oxygen_node import OxygenNode
 
-            node = OxygenNode(parameter_overrides=_parameter_overrides(args.param))
+            node = OxygenNode(parameter_overrides=overrides)
             nodes.append(node)
             player.create_subscription(ActionChunk, f"{node.get_fully_qualified_name()}/action_chunk",
                                        chunks.append, 10)
@@ -217,15 +268,23 @@ def main(argv: list[str] | None = None) -> int:
             executor.spin_once(timeout_sec=0.1)
         for topic, count in player.published.items():
             print(f"{topic}: {count} messages")
+        for topic, reason in player.skipped.items():
+            print(f"{topic}: skipped, message type {reason} is not installed here")
+        if player.recovery is not None and not player.recovery.finished:
+            print(player.recovery.describe())
         if args.node:
             print(f"action chunks published by the oxygen node: {len(chunks)}")
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
+    except (FileNotFoundError, BagError, ValueError) as err:
+        error = err
     finally:
         executor.shutdown()
         for node in nodes:
             node.destroy_node()
         rclpy.try_shutdown()
+    if error is not None:
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
     return 0
 
 
