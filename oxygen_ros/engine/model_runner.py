@@ -18,6 +18,7 @@ import torch
 from oxygen_ros.engine.kv_cache_manager import KVCacheManager, KVSequence
 from oxygen_ros.engine.model_io import ModelIO
 from oxygen_ros.models.kv_cache import KVCacheView
+from oxygen_ros.models.rtc import RTCGuidance
 
 
 class ModelShape(Protocol):
@@ -57,8 +58,9 @@ class RunnerModel(Protocol):
         ``return_hidden`` a ``(logits, pooled [B, W])`` pair."""
 
     def denoise(self, kv: KVCacheView, noise: torch.Tensor, num_steps: int,
-                state: torch.Tensor | None = None) -> torch.Tensor:
-        """Flow-matching actions ``[B, H, action_dim]`` from ``noise`` over the prefix in ``kv``."""
+                state: torch.Tensor | None = None, guidance: RTCGuidance | None = None) -> torch.Tensor:
+        """Flow-matching actions ``[B, H, action_dim]`` from ``noise`` over the prefix in ``kv``
+        (guided toward the chunks in flight when ``guidance`` is given)."""
 
     def decode_step(self, token_ids: torch.Tensor, kv: KVCacheView) -> torch.Tensor:
         """One token per row ``token_ids [B]`` appended to ``kv``; logits ``[B, V]``."""
@@ -194,15 +196,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def denoise_batch(self, seqs: list[KVSequence], noise: torch.Tensor, num_steps: int,
-                      states: list[torch.Tensor] | None) -> torch.Tensor:
+                      states: list[torch.Tensor] | None, guidance: RTCGuidance | None = None) -> torch.Tensor:
         """One denoising loop for a batch of prefixes (a fleet: one per robot; ragged lengths,
         masked): actions ``[B, H, action_dim]`` from ``noise [B, H, action_dim]``; ``states``: π0's
-        ``[action_dim]`` per row, or None (π0.5)."""
+        ``[action_dim]`` per row, or None (π0.5); ``guidance``: real-time chunking's guidance per row
+        (:mod:`oxygen_ros.models.rtc`), None: plain."""
         view = self.manager.view(list(seqs))
         self.counters.denoise_calls += 1
         state_batch = None if states is None else torch.stack(list(states)).to(self.device)
         return self.synchronized(self.model.denoise(view, noise.to(self.device), num_steps=num_steps,
-                                                    state=state_batch))
+                                                    state=state_batch, guidance=guidance))
 
     @torch.inference_mode()
     def decode_step(self, seqs: list[KVSequence], token_ids: list[int]) -> torch.Tensor:

@@ -35,6 +35,7 @@ from .gemma import (AdaRMSNorm, AttentionMask, GemmaStack, RMSNorm, apply_rope, 
                     rope_inverse_frequencies)
 from . import cpu_fast_paths, native
 from .kv_cache import KVCacheView
+from .rtc import RTCGuidance, guided_velocity
 
 
 def left_pack(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -424,7 +425,7 @@ class VLAModel(nn.Module):
 
     @torch.inference_mode()
     def denoise(self, kv: KVCacheView, noise: torch.Tensor, num_steps: int | None = None,
-                state: torch.Tensor | None = None) -> torch.Tensor:
+                state: torch.Tensor | None = None, guidance: RTCGuidance | None = None) -> torch.Tensor:
         """Flow-matching action chunk from a cached prefix (never writes ``kv``).
 
         Euler from t = 1 to 0, ``x ← x + dt · v(x, t)`` with ``dt = -1/S`` for a fixed ``S`` steps
@@ -441,12 +442,17 @@ class VLAModel(nn.Module):
             num_steps: S (default ``config.num_steps``).
             state: ``[B, action_dim]`` normalised, padded state; required for π0, ignored by π0.5
                 (its state is in the prompt) — passing one to π0.5 raises.
+            guidance: real-time chunking's inpainting guidance toward the chunks in flight
+                (:mod:`oxygen_ros.models.rtc`); None, β = 0 or all-zero weights: plain denoising. A
+                guided call runs eagerly with autograd (a vector-Jacobian product through the action
+                expert per step, about three forward passes' work), never from a CUDA graph.
 
         Returns:
             fp32 ``[B, H, action_dim]`` normalised actions x_0.
 
         Raises:
-            ValueError: bad shapes, num_steps < 1, state missing (π0) or given (π0.5).
+            ValueError: bad shapes, num_steps < 1, state missing (π0) or given (π0.5), guidance of
+                another shape.
         """
         self._check_kv(kv)
         c = self.config
@@ -467,10 +473,27 @@ class VLAModel(nn.Module):
         cached_lens = kv.cached_lens.to(self.device)
         noise = noise.to(self.device, torch.float32)
         state = None if state is None else state.to(self.device, self.dtype)
+        if guidance is not None:
+            guidance.check(b, horizon, c.action_dim)
+            if guidance.active:
+                return self._denoise_guided(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state,
+                                            guidance)
         if self._graphs is not None and self.device.type == "cuda":
             return self._denoise_graphed(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
         with cpu_fast_paths.threads_for(b * horizon, self.device):
             return self._denoise_loop(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
+
+    def _denoise_guided(self, prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state,
+                        guidance: RTCGuidance) -> torch.Tensor:
+        """:meth:`_denoise_loop` with RTC guidance, outside inference mode (autograd records the action
+        expert's steps; the prefix K/V are copied out of inference mode once and hold no gradient)."""
+        with torch.inference_mode(False):
+            guidance = RTCGuidance(guidance.target.to(self.device, torch.float32).clone(),
+                                   guidance.weights.to(self.device, torch.float32).clone(),
+                                   guidance.max_guidance_weight)
+            return self._denoise_loop([k.clone() for k in prefix_k], [v.clone() for v in prefix_v],
+                                      prefix_valid.clone(), cached_lens.clone(), noise.clone(), steps,
+                                      None if state is None else state.clone(), guidance)
 
     def _denoise_graphed(self, prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state):
         """:meth:`_denoise_loop` replayed from a CUDA graph of the prefix length's bucket.
@@ -504,7 +527,7 @@ class VLAModel(nn.Module):
 
     def _denoise_loop(self, prefix_k: list[torch.Tensor], prefix_v: list[torch.Tensor],
                       prefix_valid: torch.Tensor, cached_lens: torch.Tensor, noise: torch.Tensor,
-                      steps: int, state: torch.Tensor | None) -> torch.Tensor:
+                      steps: int, state: torch.Tensor | None, guidance: RTCGuidance | None = None) -> torch.Tensor:
         """The Euler loop of :meth:`denoise` over prefix K/V already on the device.
 
         Args:
@@ -514,10 +537,12 @@ class VLAModel(nn.Module):
             noise: fp32 ``[B, H, action_dim]``.
             steps: S.
             state: π0's ``[B, action_dim]`` in the model dtype, else None.
+            guidance: RTC guidance of each step's velocity (:func:`oxygen_ros.models.rtc.guided_velocity`);
+                None: plain.
 
         Returns:
-            fp32 ``[B, H, action_dim]``. Pure tensor code with no host synchronisation, so that
-            :meth:`_denoise_graphed` can capture it.
+            fp32 ``[B, H, action_dim]``. Without guidance pure tensor code with no host synchronisation,
+            so that :meth:`_denoise_graphed` can capture it.
         """
         c = self.config
         b, horizon = noise.shape[:2]
@@ -536,8 +561,7 @@ class VLAModel(nn.Module):
         positions = cached_lens[:, None] + offset + torch.arange(horizon, device=self.device)[None, :]
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.dtype)
         conditioning = self._time_conditioning(times)
-        x = noise
-        for step in range(steps):
+        def velocity_of(x: torch.Tensor, step: int) -> torch.Tensor:
             tokens = self._action_tokens(x, conditioning, step)
             for i, layer in enumerate(self.expert.layers):
                 mod_in, mod_post = self._layer_modulation(conditioning, i, step)
@@ -546,7 +570,14 @@ class VLAModel(nn.Module):
                 values[i][:, prefix_len:] = v
                 attn = attention(apply_rope(q, cos, sin), keys[i], values[i], mask)
                 tokens = layer.finish(tokens, attn, gate, mod_post)
-            velocity = self.action_out_proj(self.expert.norm(tokens, self._final_modulation(conditioning, step))[0])
+            return self.action_out_proj(self.expert.norm(tokens, self._final_modulation(conditioning, step))[0])
+
+        x = noise
+        for step in range(steps):
+            if guidance is None:
+                velocity = velocity_of(x, step)
+            else:
+                velocity = guided_velocity(lambda x_t: velocity_of(x_t, step), x, 1.0 + dt * step, guidance)
             x = x + dt * velocity.float()
         return x
 
