@@ -342,7 +342,11 @@ def test_lerobot_pi05_from_its_checkpoint_files(tmp_path):
     proc = _processor("lerobot/pi05", stats, conv)
     # q01 -2, q99 2, no epsilon: y = 2(x + 2)/4 - 1 = x/2, so x = 2·(-1.3, -1, -0.999, 0, 0.5, 0.999, 1, 1.7)
     state = [-2.6, -2.0, -1.998, 0.0, 1.0, 1.998, 2.0, 3.4]
-    assert np.allclose(proc.normalized_state(state), [x / 2 for x in state], rtol=0, atol=1e-12)
+    # in LeRobot's float32 arithmetic (torch tensors): x/2 to float32's precision, each value exactly its own
+    lerobot = [float(np.float32(2.0) * (np.float32(x) + np.float32(2.0)) / np.float32(4.0) - np.float32(1.0))
+               for x in state]
+    assert proc.normalized_state(state).tolist() == lerobot
+    assert np.allclose(lerobot, [x / 2 for x in state], rtol=0, atol=1e-7)
     _parts_and_tokens(proc, RAW_INSTRUCTION, state,
                       ["Task: pick up the red cube, State: -1 0 0 128 192 255 255 255;\nAction: "])
     pixels, mask = proc.images({"base_0_rgb": FRAME})       # LeRobot masks any missing camera
@@ -429,3 +433,75 @@ def test_non_finite_or_degenerate_statistics_are_rejected_naming_key_dimension_a
     # a zero std is harmless under quantile normalisation, and zero-padded unused dims are ignored
     _processor("openpi/pi05_droid", with_("state", "std", 5, 0.0))
     assert ARM_STATS["actions"].q99[20] == ARM_STATS["actions"].q01[20] == 0.0
+
+
+# ---- openpi pi0_aloha_sim (issue 38, item 11a) ----------------------------------------------------
+
+def test_openpi_pi0_aloha_sim_absolute_actions_and_default_prompt():
+    """openpi ``pi0_aloha_sim`` (config.py: Pi0Config(), LeRobotAlohaDataConfig(default_prompt="Transfer cube",
+    use_delta_joint_actions=False), adapt_to_pi left at True; aloha_policy.py): π0, mean/std, the ALOHA
+    adaptation, **no** delta dims (the unnormalised output is absolute), statistics under the dataset's repo
+    id, "Transfer cube" when no instruction is given."""
+    proc = _processor("openpi/pi0_aloha_sim", ALOHA_STATS)
+    conv = proc.conventions
+    assert (conv.variant, conv.action_horizon, conv.state_dim, conv.action_dim) == ("pi0", 50, 14, 14)
+    assert conv.delta_mask == () and conv.adaptation is not None
+    assert conv.default_prompt == "Transfer cube"
+    assert conv.norm_stats_asset == "lerobot/aloha_sim_transfer_cube_human"
+    adapted = aloha_state(ALOHA_RAW_STATE)
+    s = ALOHA_STATS["state"]
+    _parts_and_tokens(proc, "Transfer cube", ALOHA_RAW_STATE, ["Transfer cube", "\n"])
+    expected_state = z_norm(adapted, s.mean, s.std, 1e-6) + [0.0] * 18
+    assert np.allclose(proc.model_state(ALOHA_RAW_STATE).double().numpy(), expected_state, atol=1e-6)
+    raw = _model_output(50, 6)
+    a = ALOHA_STATS["actions"]
+    expected = [aloha_actions(z_unnorm(row[:14], a.mean, a.std, 1e-6)) for row in raw]    # nothing added back
+    got = proc.robot_actions(raw, ALOHA_RAW_STATE)
+    assert np.allclose(got, expected, rtol=0, atol=1e-6)
+    pixels, mask = proc.images({"base_0_rgb": FRAME})
+    assert mask.tolist() == [True, False, False]
+
+
+# ---- state bins on their edges, in each reference's own arithmetic (issue 38, item 11b) -------------
+
+def _one_dim(family: str, q01: float, q99: float) -> Processor:
+    conv = get_conventions(family).replace(state_dim=1, action_dim=1)
+    stats = {"state": _stats([q01], [q99], [0.0], [1.0]), "actions": _stats([q01], [q99], [0.0], [1.0])}
+    config = get_preset("pi05_tiny", action_horizon=conv.action_horizon)
+    return Processor(config, RobotConfig(family, 1, 1, tuple(c.slot for c in conv.cameras)), TOK, stats, conv)
+
+
+def test_openpi_bins_a_state_on_an_edge_in_float64():
+    """openpi normalises in float64 numpy: a state equal to q01 = 0.7 is exactly −1 → bin 0. Stored as float32
+    first (0.699999988…) it would be below −1 → bin −1: the state must reach the prompt as float64."""
+    proc = _one_dim("openpi/pi05_droid", 0.7, 1.7)
+    assert (0.7 - 0.7) / (1.7 - 0.7 + 1e-6) * 2.0 - 1.0 == -1.0 and bin_of(-1.0) == 0
+    assert proc.state_bins([0.7]).tolist() == [0]
+    assert proc.state_bins(np.array([0.7], dtype=np.float32)).tolist() == [-1]    # what float32 storage did
+
+
+def test_lerobot_bins_a_state_in_its_float32_arithmetic():
+    """LeRobot normalises float32 torch tensors, ``2·(x − q01)/(q99 − q01) − 1``: with q01 = −1, q99 = 1 a state
+    1e-9 below the edge −0.5 is −0.5 in float32 (its spacing there is 6e-8) → bin 64; float64 arithmetic would
+    give −0.500000001 → bin 63."""
+    x = -0.5 - 1e-9
+    lerobot = float(np.float32(2.0) * (np.float32(x) + np.float32(1.0)) / np.float32(2.0) - np.float32(1.0))
+    assert lerobot == -0.5 and bin_of(lerobot) == 64 and bin_of(2.0 * (x + 1.0) / 2.0 - 1.0) == 63
+    assert torch.equal(2.0 * (torch.tensor([x], dtype=torch.float32) + 1.0) / 2.0 - 1.0, torch.tensor([-0.5]))
+    proc = _one_dim("lerobot/pi05", -1.0, 1.0)
+    assert proc.state_bins([x]).tolist() == [64]
+    edges = [k / 128 - 1 for k in range(1, 256)]     # exact in float32 too: each edge is its own bin
+    assert [int(proc.state_bins([e])[0]) for e in edges] == list(range(1, 256))
+
+
+def test_joint_states_reach_the_prompt_as_float64():
+    """The node keeps JointState's float64 positions (node/inputs.py) and the engine's Observation keeps them
+    (engine/types.py), so openpi's bins see the state as received."""
+    from oxygen_ros.engine.types import Observation
+    from oxygen_ros.node.inputs import InputStore
+
+    store = InputStore((), ["a", "b"], "")
+    state = store.map_joint_state(["b", "a"], [0.1, 0.7])
+    assert state.dtype == np.float64 and state.tolist() == [0.7, 0.1]
+    obs = Observation(images={"base_0_rgb": FRAME}, instruction="x", state=state)
+    assert obs.state.dtype == np.float64 and obs.state.tolist() == [0.7, 0.1]

@@ -70,6 +70,37 @@ def test_missing_and_unexpected_keys_are_listed(pi05, tmp_path):
         load_model("pi05_tiny", tmp_path / "nowhere")
 
 
+@pytest.mark.parametrize("keep, expected", [
+    (lambda size: size - 1000, "truncated: {size} bytes on disk, its header declares {full}"),
+    (lambda size: 4, "fewer than the format's 8-byte header length"),
+    (lambda size: 100, "its first 8 bytes declare a"),
+])
+def test_truncated_safetensors_names_the_file_and_the_fault(pi05, tmp_path, keep, expected):
+    """A ``model.safetensors`` cut short (an interrupted download or copy) fails with the file's path and
+    what is wrong with it, not the library's message alone (issue 38, item 10)."""
+    save_checkpoint(pi05, tmp_path, "openpi")
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    size = keep(len(data))
+    path.write_bytes(data[:size])
+    with pytest.raises(CheckpointError) as info:
+        load_model("pi05_tiny", tmp_path)
+    message = str(info.value)
+    assert str(path) in message, message
+    assert expected.format(size=size, full=len(data)) in message, message
+
+
+def test_corrupt_safetensors_header_is_named(pi05, tmp_path):
+    save_checkpoint(pi05, tmp_path, "openpi")
+    path = tmp_path / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:12] = b"\x00\xff\x00\xff"       # the JSON header's first bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupt: its .*-byte header") as info:
+        load_model("pi05_tiny", tmp_path)
+    assert str(path) in str(info.value)
+
+
 def test_bf16_load_keeps_norms_fp32(pi05, tmp_path):
     save_checkpoint(pi05, tmp_path, "lerobot")
     model = load_model("pi05_tiny", tmp_path, dtype="bfloat16")

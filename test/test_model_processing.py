@@ -156,3 +156,31 @@ def test_norm_stats_json_round_trip(tmp_path):
     loaded = load_norm_stats(tmp_path / "norm_stats.json")
     assert np.allclose(loaded["state"].q99, stats["state"].q99) and loaded["actions"].q01 is None
     assert {r: get_robot(r).action_dim for r in ("libero", "droid", "aloha")} == {"libero": 7, "droid": 8, "aloha": 14}
+
+
+@pytest.mark.parametrize("corrupt, expected", [
+    (lambda text: text[: len(text) // 2], "not valid JSON"),                     # cut off mid-file
+    (lambda text: text.replace("[", "{", 1), "not valid JSON"),                   # a stray brace
+    (lambda text: text.replace('"std": [', '"std": ["x", ', 1), "state.std is not a list of numbers"),
+    (lambda text: text.replace('"mean": [', '"mean": [1.0, ', 1), "lists of different lengths"),
+    (lambda text: "[1, 2]", "no 'norm_stats' mapping"),
+])
+def test_corrupt_norm_stats_json_names_the_file_and_the_fault(tmp_path, corrupt, expected):
+    """A corrupt ``norm_stats.json`` fails with the file's path and what is wrong, not the JSON library's
+    message alone (issue 38, item 10)."""
+    path = tmp_path / "assets" / "aloha_sim" / "norm_stats.json"
+    path.parent.mkdir(parents=True)
+    save_norm_stats({"state": _stats(8), "actions": _stats(7)}, path)
+    path.write_text(corrupt(path.read_text()))
+    with pytest.raises(ValueError) as info:
+        load_norm_stats(path)
+    assert str(path) in str(info.value) and expected in str(info.value), str(info.value)
+
+
+def test_truncated_norm_stats_json_says_it_ends_early(tmp_path):
+    path = tmp_path / "norm_stats.json"
+    save_norm_stats({"state": _stats(8)}, path)
+    path.write_text(path.read_text()[:-40])
+    with pytest.raises(ValueError, match="truncated") as info:
+        load_norm_stats(path)
+    assert str(path) in str(info.value)

@@ -2,7 +2,9 @@
 one engine. Each robot receives its own chunks, computed from its own frames (the chunk's stamp is one of
 the frame stamps that robot sent, its observation_seq counts that robot's cycles); one robot's camera
 stops without effect on the others; one robot is removed and re-added by service while the others run. Beyond
-one server: two servers, each serving the robots its configuration assigns."""
+one server: two servers, each serving the robots its configuration assigns. Robots coming and going: a removed
+robot's waiting ``~/ask`` goal gets its one result; an added robot whose configure fails is reported as failed
+with the reason, leaving nothing that blocks a corrected retry."""
 
 from __future__ import annotations
 
@@ -144,3 +146,87 @@ def test_two_servers_each_serve_the_robots_their_configuration_assigns():
             assert servers[server].robot_node(f"{base}/{name}").engine is not None
             with pytest.raises(KeyError):
                 servers[other].robot_node(f"{base}/{name}")
+
+
+def _fleet_node(base: str, robots, context, robot_parameters):
+    from rclpy.parameter import Parameter
+
+    from oxygen_ros.node.fleet_node import FleetNode
+
+    return FleetNode(context=context, namespace=base,
+                     parameter_overrides=[Parameter("robots", value=[f"{base}/{r}" for r in robots]),
+                                          Parameter("kv_budget_mb", value=48)],
+                     robot_parameters=robot_parameters)
+
+
+def test_removing_a_robot_answers_its_waiting_ask_goal():
+    """An ``~/ask`` goal waiting on a fleet robot (its cameras send nothing, so its request never starts) gets
+    exactly one result when ``~/remove_robot`` removes that robot: aborted, STATUS_CANCELLED, the reason; the
+    other robot keeps receiving chunks (issue 38, item 3)."""
+    import rclpy
+    from action_msgs.msg import GoalStatus
+    from rclpy.action import ActionClient
+    from rclpy.context import Context
+
+    from oxygen_ros.action import Ask
+
+    base = f"/fleet_goals_{os.getpid()}_{next(_IDS)}"
+    context = Context()
+    rclpy.init(context=context)
+    node = _fleet_node(base, ("r1", "r2"), context, lambda robot: tiny_parameters(**{"engine.kv_budget_mb": 16}))
+    sides = {r: RobotSide(context, f"{base}/{r}", 1000 * (i + 1)) for i, r in enumerate(("r1", "r2"))}
+    sides["r2"].publishing = False
+    asker = ActionClient(sides["r1"].node, Ask, f"{base}/r2/oxygen_node/ask")
+    try:
+        with spinning_fleet(node, sides, context):
+            assert wait_for(lambda: f"{base}/r2" in node.robots
+                            and node.robot_node(f"{base}/r2").lifecycle_state == "active", LONG)
+            assert asker.wait_for_server(timeout_sec=30.0)
+            sent = asker.send_goal_async(Ask.Goal(task="speech", instruction="what do you see?"))
+            assert wait_for(sent.done, LONG) and sent.result().accepted
+            result = sent.result().get_result_async()
+            assert not result.done()
+            answer = _call(node, sides["r1"], "remove_robot", f"{base}/r2")
+            assert answer.success, answer.message
+            assert wait_for(result.done, LONG), "the removed robot's goal got no result"
+            response = result.result()
+            assert response.status == GoalStatus.STATUS_ABORTED, response
+            assert response.result.status == Ask.Result.STATUS_CANCELLED, response.result
+            assert "removed from the fleet" in response.result.message, response.result.message
+            assert wait_for(lambda: node.retiring == 0, LONG)     # its node destroyed after the answer
+            assert sides["r1"].chunks_after(len(sides["r1"].chunks))
+    finally:
+        asker.destroy()
+
+
+def test_add_robot_whose_configure_fails_reports_it_and_keeps_nothing():
+    """``~/add_robot`` for a robot whose section names another model (seed) than the fleet serves answers
+    failure with the configure error; nothing of the robot is kept, so the corrected retry succeeds and the
+    robot gets its chunks (issue 38, item 9)."""
+    import rclpy
+    from rclpy.context import Context
+
+    base = f"/fleet_add_{os.getpid()}_{next(_IDS)}"
+    r2 = f"{base}/r2"
+    wrong = {"seed": 1}     # the fleet's model is seed 0 (the first robot's)
+
+    def parameters(robot):
+        return tiny_parameters(**{"engine.kv_budget_mb": 16, **(wrong if robot == r2 else {})})
+
+    context = Context()
+    rclpy.init(context=context)
+    node = _fleet_node(base, ("r1",), context, parameters)
+    sides = {r: RobotSide(context, f"{base}/{r}", 1000 * (i + 1)) for i, r in enumerate(("r1", "r2"))}
+    with spinning_fleet(node, sides, context):
+        assert sides["r1"].chunks_after(0)
+        answer = _call(node, sides["r1"], "add_robot", r2)
+        assert not answer.success, answer.message
+        assert "configure failed" in answer.message and "this fleet serves" in answer.message, answer.message
+        assert r2 not in node.robots and r2 not in node.server.robots
+        assert r2 not in node.server.fleet.core.shares
+        wrong.clear()
+        answer = _call(node, sides["r1"], "add_robot", r2)
+        assert answer.success, answer.message
+        assert node.robot_node(r2).lifecycle_state == "active"
+        assert sides["r2"].chunks_after(0)
+        _own_chunks(sides["r2"], [sides["r1"]])

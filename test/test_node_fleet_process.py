@@ -86,6 +86,68 @@ def test_executable_serves_robots_and_ends_on_sigint(tmp_path):
     _assert_clean_exit(server.returncode, log)
 
 
+def test_sigint_answers_every_waiting_ask_goal(tmp_path):
+    """SIGINT while an ``~/ask`` goal waits on a robot of the fleet process (no frame: its request never
+    starts): the goal gets its one result before the process exits (aborted, STATUS_CANCELLED, the reason),
+    the process exits 0 with no traceback and no "Failed to send result response" (issue 38, item 3)."""
+    import threading
+    import time
+
+    import rclpy
+    from action_msgs.msg import GoalStatus
+    from rclpy.action import ActionClient
+    from rclpy.context import Context
+    from rclpy.executors import SingleThreadedExecutor
+
+    from node_support import wait_for
+    from oxygen_ros.action import Ask
+
+    namespace = f"/fleet_sigint_{os.getpid()}/r1"
+    context = Context()
+    rclpy.init(context=context)
+    asker_node = rclpy.create_node("asker", context=context)
+    asker = ActionClient(asker_node, Ask, f"{namespace}/oxygen_node/ask")
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(asker_node)
+    thread = threading.Thread(target=executor.spin, daemon=True)
+    thread.start()
+    with open(tmp_path / "server.log", "w") as server_log:
+        server = subprocess.Popen(_server_command(tmp_path, [namespace]), cwd=tmp_path, stdout=server_log,
+                                  stderr=subprocess.STDOUT)
+        try:
+            assert asker.wait_for_server(timeout_sec=LONG), "no ~/ask server"
+            accepted = None
+            deadline = time.monotonic() + LONG      # goals are refused until the robot's node is active
+            while accepted is None and time.monotonic() < deadline and server.poll() is None:
+                sent = asker.send_goal_async(Ask.Goal(task="speech", instruction="what do you see?"))
+                assert wait_for(sent.done, 60.0)
+                if sent.result().accepted:
+                    accepted = sent.result()
+                else:
+                    time.sleep(0.5)
+            assert accepted is not None, (tmp_path / "server.log").read_text()[-4000:]
+            result = accepted.get_result_async()
+            assert not result.done()
+        finally:
+            stop_process(server, 120.0)
+        try:
+            assert wait_for(result.done, 30.0), "no ~/ask result before the exit\n" + \
+                (tmp_path / "server.log").read_text()[-4000:]
+            response = result.result()
+        finally:
+            executor.shutdown(timeout_sec=5.0)
+            thread.join(timeout=5.0)
+            asker.destroy()
+            asker_node.destroy_node()
+            context.try_shutdown()
+    log = (tmp_path / "server.log").read_text()
+    assert response.status == GoalStatus.STATUS_ABORTED, (response, log[-4000:])
+    assert response.result.status == Ask.Result.STATUS_CANCELLED, response.result
+    assert "stopping" in response.result.message, response.result.message
+    assert "Failed to send result response" not in log, log[-4000:]
+    _assert_clean_exit(server.returncode, log)
+
+
 def _namespaces_unavailable() -> str | None:
     """Why two network namespaces cannot be built here (None: they can)."""
     for tool in ("unshare", "ip"):

@@ -21,7 +21,7 @@ class Observation:
         images: camera slot name -> uint8 ``[H, W, 3]`` RGB image, or None when the camera is missing
             or masked (its tokens are excluded from the prefix, never replaced by a black image).
         instruction: the natural-language task instruction.
-        state: float32 ``[D]`` robot state in the robot's own units (rad, m), un-normalised; None if
+        state: float64 ``[D]`` robot state in the robot's own units (rad, m), un-normalised; None if
             the robot publishes none.
         stamp: acquisition time in seconds (ROS time or ``time.monotonic()``); used by time triggers.
         seq: monotonically increasing sequence number of the observation; also seeds the
@@ -51,7 +51,8 @@ class Observation:
                 dtype = getattr(image, "dtype", type(image).__name__)
                 raise ValueError(f"camera {slot!r}: expected uint8 [H, W, 3], got {dtype} {shape}")
         if self.state is not None:
-            self.state = np.asarray(self.state, dtype=np.float32)
+            # float64: the π0.5 state bins are computed from the state as received (JointState is float64)
+            self.state = np.asarray(self.state, dtype=np.float64)
             if self.state.ndim != 1:
                 raise ValueError(f"state must be a 1-D vector, got shape {self.state.shape}")
         if self.seq < 0:

@@ -110,7 +110,8 @@ def read_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
 
     Raises:
         FileNotFoundError: no such directory or no safetensors file in it.
-        CheckpointError: a key present in two files.
+        CheckpointError: a key present in two files; a file the safetensors library cannot read (truncated,
+            corrupt header), naming the file and what is wrong with it.
     """
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
@@ -121,12 +122,42 @@ def read_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no *.safetensors file in {directory}")
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if key in tensors:
-                    raise CheckpointError(f"key {key} appears in more than one file of {directory}")
-                tensors[key] = f.get_tensor(key)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    if key in tensors:
+                        raise CheckpointError(f"key {key} appears in more than one file of {directory}")
+                    tensors[key] = f.get_tensor(key)
+        except CheckpointError:
+            raise
+        except Exception as error:   # safetensors raises its own error type, naming no file
+            raise CheckpointError(f"{path}: {_safetensors_problem(path)} (safetensors: {error})") from None
     return tensors
+
+
+def _safetensors_problem(path: Path) -> str:
+    """What is wrong with a ``*.safetensors`` file the library refused, read from its layout: an 8-byte
+    little-endian header length N, N bytes of JSON header (per tensor ``data_offsets`` [begin, end) into the
+    data that follows), then the data (the safetensors format's own definition)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"truncated: {size} bytes on disk, fewer than the format's 8-byte header length"
+        header_len = int.from_bytes(head, "little")
+        if 8 + header_len > size:
+            return (f"truncated or not a safetensors file: {size} bytes on disk, its first 8 bytes declare a "
+                    f"{header_len}-byte header")
+        try:
+            header = json.loads(f.read(header_len))
+            end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
+                      default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return f"corrupt: its {header_len}-byte header is not the format's JSON"
+    if 8 + header_len + end != size:
+        return (f"truncated: {size} bytes on disk, its header declares {8 + header_len + end} "
+                f"({8 + header_len + end - size:+d} bytes)")
+    return f"unreadable ({size} bytes on disk)"
 
 
 def load_state_dict_into(model: VLAModel, tensors: dict[str, torch.Tensor]) -> None:

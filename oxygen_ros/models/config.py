@@ -327,21 +327,34 @@ def load_norm_stats(path: str | Path) -> dict[str, NormStats]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: malformed content.
+        ValueError: malformed content, naming the file and what is wrong: not valid JSON (line, column,
+            truncated), no ``norm_stats`` mapping, an entry without mean/std, a value that is not a flat
+            list of numbers, lists of different lengths in one entry.
     """
-    data = json.loads(Path(path).read_text())
-    stats = data.get("norm_stats", data)
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text)
+    except ValueError as error:     # json.JSONDecodeError: line, column and what the parser expected
+        where = " (the file ends there: truncated?)" if getattr(error, "pos", -1) >= len(text.rstrip()) else ""
+        raise ValueError(f"{path}: not valid JSON: {error}{where}") from None
+    stats = data.get("norm_stats", data) if isinstance(data, dict) else None
     if not isinstance(stats, dict) or not stats:
         raise ValueError(f"{path}: no 'norm_stats' mapping")
     out = {}
     for key, entry in stats.items():
-        try:
-            arrays = {k: (np.asarray(entry[k], dtype=np.float64) if entry.get(k) is not None else None)
-                      for k in _STAT_NAMES}
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{path}: entry {key!r} lacks mean/std: {exc}") from exc
-        if arrays["mean"] is None or arrays["std"] is None:
+        if not isinstance(entry, dict) or entry.get("mean") is None or entry.get("std") is None:
             raise ValueError(f"{path}: entry {key!r} lacks mean/std")
+        arrays = {}
+        for name in _STAT_NAMES:
+            try:
+                arrays[name] = np.asarray(entry[name], dtype=np.float64) if entry.get(name) is not None else None
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"{path}: {key}.{name} is not a list of numbers ({error})") from None
+            if arrays[name] is not None and arrays[name].ndim != 1:
+                raise ValueError(f"{path}: {key}.{name} is not a flat list of numbers (shape {arrays[name].shape})")
+        lengths = {name: len(a) for name, a in arrays.items() if a is not None}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"{path}: entry {key!r} has lists of different lengths {lengths}")
         out[key] = NormStats(**arrays)
     return out
 

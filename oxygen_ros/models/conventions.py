@@ -68,25 +68,44 @@ class Normalization:
     which :func:`~oxygen_ros.models.config.check_norm_stats` rejects), mean/std eps 1e-8 on the way in
     and none on the way out.
 
+    ``dtype`` is the arithmetic of the way in, which decides the π0.5 state bins at their edges:
+    ``float64`` (openpi: numpy on the state as the client sends it and the float64 statistics of its
+    ``norm_stats.json``, in the order written above) or ``float32`` (LeRobot: torch float32 tensors of the
+    state and the statistics, ``2·(x − q01)/(q99 − q01) − 1`` in that order). The way out is float64 in
+    both.
+
     Raises:
-        ValueError: unknown mode or a negative epsilon.
+        ValueError: unknown mode or dtype, or a negative epsilon.
     """
 
     mode: str
     eps: float = 1e-6
     inverse_eps: float = 1e-6
+    dtype: str = "float64"
 
     def __post_init__(self):
         _check(self.mode, NORM_MODES, "normalisation mode")
+        _check(self.dtype, ("float64", "float32"), "normalisation dtype")
         if self.eps < 0 or self.inverse_eps < 0:
             raise ValueError(f"normalisation epsilons must be >= 0, got {self.eps}, {self.inverse_eps}")
 
     def normalize(self, x, stats: NormStats | None) -> np.ndarray:
-        """float64 ``x [..., D]`` → normalised, with the first D dims of ``stats`` (None = identity)."""
-        x = np.asarray(x, dtype=np.float64)
+        """``x [..., D]`` (the robot's units, as received) → normalised float64 ``[..., D]``, with the first D
+        dims of ``stats`` (None = identity), computed in :attr:`dtype` (float32 values are returned exactly
+        as float64)."""
         if self.mode == "identity" or stats is None:
-            return x
-        dim = x.shape[-1]
+            return np.asarray(x, dtype=np.float64)
+        dim = np.shape(x)[-1]
+        if self.dtype == "float32":
+            f = np.float32
+            x = np.asarray(x, dtype=f)
+            if self.mode == "quantile":
+                q01, q99 = stats.q01[:dim].astype(f), stats.q99[:dim].astype(f)
+                y = f(2.0) * (x - q01) / (q99 - q01 + f(self.eps)) - f(1.0)
+            else:
+                y = (x - stats.mean[:dim].astype(f)) / (stats.std[:dim].astype(f) + f(self.eps))
+            return y.astype(np.float64)
+        x = np.asarray(x, dtype=np.float64)
         if self.mode == "quantile":
             q01, q99 = stats.q01[:dim], stats.q99[:dim]
             return (x - q01) / (q99 - q01 + self.eps) * 2.0 - 1.0
@@ -230,6 +249,8 @@ class Conventions:
         adaptation: robot-specific conversion (:class:`AlohaAdaptation`) or None.
         cameras: camera specs; slots not listed are always masked (e.g. DROID's right wrist).
         action_dt_s: the action period the family was recorded at [s] (None: unknown).
+        default_prompt: the instruction the family's inputs carry when none is given (openpi
+            ``default_prompt``, injected only where the data has no prompt); None: none.
         image_resize: ``pil_bilinear`` (openpi: uint8 through PIL's bilinear filter, zero pad) or
             ``torch_bilinear`` (LeRobot: float [0, 1] through ``F.interpolate(mode='bilinear',
             align_corners=False)`` without antialiasing).
@@ -261,6 +282,7 @@ class Conventions:
     adaptation: AlohaAdaptation | None = None
     cameras: tuple[CameraSpec, ...] = tuple(CameraSpec(s, s, False) for s in MODEL_CAMERA_SLOTS)
     action_dt_s: float | None = None
+    default_prompt: str | None = None
     image_resize: str = "pil_bilinear"
     norm_stats_asset: str | None = None
     source: str = ""
@@ -360,6 +382,13 @@ FAMILIES: dict[str, Conventions] = {
     "openpi/pi0": Conventions("openpi/pi0", action_horizon=50, **_OPENPI_PI0),
     "openpi/pi05_aloha": Conventions("openpi/pi05_aloha", action_horizon=50, **_OPENPI_PI05, **_ALOHA),
     "openpi/pi0_aloha": Conventions("openpi/pi0_aloha", action_horizon=50, **_OPENPI_PI0, **_ALOHA),
+    # pi0_aloha_sim (ALOHA sim transfer-cube, from pi0_base): LeRobotAlohaDataConfig(use_delta_joint_actions=False,
+    # default_prompt="Transfer cube"), adapt_to_pi left True; only cam_high (the sim's top camera); its statistics
+    # under the asset id = the dataset's repo id.
+    "openpi/pi0_aloha_sim": Conventions("openpi/pi0_aloha_sim", action_horizon=50, **_OPENPI_PI0,
+                                        **{**_ALOHA, "delta_mask": (),
+                                           "norm_stats_asset": "lerobot/aloha_sim_transfer_cube_human"},
+                                        default_prompt="Transfer cube"),
     "openpi/pi05_droid": Conventions("openpi/pi05_droid", action_horizon=15, **_OPENPI_PI05, **_DROID),
     "openpi/pi0_droid": Conventions("openpi/pi0_droid", action_horizon=10, **_OPENPI_PI0, **_DROID),
     # pi05_libero: Pi0Config(discrete_state_input=False): π0's newline layout, no state in the prompt.
@@ -370,13 +399,13 @@ FAMILIES: dict[str, Conventions] = {
                                      delta_mask=_bool_mask(6, -1)),
     "lerobot/pi05": Conventions("lerobot/pi05", variant="pi05", action_horizon=50, max_token_len=200,
                                 action_prompt=PromptLayout(PI05_STATE_PROMPT),
-                                state_norm=Normalization("quantile", 0.0, 0.0),
-                                action_norm=Normalization("quantile", 0.0, 0.0),
+                                state_norm=Normalization("quantile", 0.0, 0.0, "float32"),
+                                action_norm=Normalization("quantile", 0.0, 0.0, "float32"),
                                 delta_state="raw", image_resize="torch_bilinear"),
     "lerobot/pi0": Conventions("lerobot/pi0", variant="pi0", action_horizon=50, max_token_len=48,
                                action_prompt=PromptLayout(LEROBOT_PI0_PROMPT, clean="final_newline"),
-                               state_norm=Normalization("mean_std", 1e-8, 0.0),
-                               action_norm=Normalization("mean_std", 1e-8, 0.0),
+                               state_norm=Normalization("mean_std", 1e-8, 0.0, "float32"),
+                               action_norm=Normalization("mean_std", 1e-8, 0.0, "float32"),
                                delta_state="raw", image_resize="torch_bilinear"),
 }
 
@@ -500,7 +529,7 @@ def lerobot_conventions(checkpoint_dir: str | Path) -> Conventions | None:
 
     def norm(mode: str) -> Normalization:
         # normalize_processor.py: quantiles without epsilon, mean/std with eps in, none out.
-        return Normalization(mode, eps if mode == "mean_std" else 0.0, 0.0)
+        return Normalization(mode, eps if mode == "mean_std" else 0.0, 0.0, "float32")
 
     action_dim = int(action_shape[0]) if action_shape else None
     delta: tuple[bool, ...] = ()

@@ -64,7 +64,7 @@ class _Goal:
         with self.lock:
             if event is not None:
                 self.events.append(event)
-            if ended is not None:
+            if ended is not None and self.ended is None:    # the first reason given is the goal's
                 self.ended = ended
             wake, self.wake = self.wake, None
         if wake is not None and not wake.done():
@@ -239,8 +239,11 @@ class Commands:
                                                               text=event.text, sequence=sequence))
                     sequence += 1
                     continue
+                message = _ENDINGS[event.status]
+                if ended is not None and event.status != RequestStatus.COMPLETED:
+                    message = f"{message}: {ended}"     # why the node ended it (end_goals before the flush)
                 result = Ask.Result(utterance_id=utterance_id, status=_RESULT_STATUS[event.status],
-                                    text=event.text, message=_ENDINGS[event.status])
+                                    text=event.text, message=message)
                 result.header.stamp = self._node.output_stamp(event)
                 if event.status == RequestStatus.COMPLETED:
                     goal_handle.succeed()
@@ -273,7 +276,9 @@ class Commands:
         return mailbox.instruction if mailbox is not None and mailbox.instruction else default
 
     def end_goals(self, reason: str) -> None:
-        """End every goal still waiting (the node releases its engine); each gets a result with ``reason``."""
+        """End every goal still waiting (the node releases its engine); each gets a result with ``reason``
+        (after a final event of its request that is already in its mailbox or comes before the goal's
+        coroutine next runs: then that event's result, its message followed by ``reason``)."""
         with self._goals_lock:
             mailboxes = list(self._goals.values())
         for mailbox in mailboxes:

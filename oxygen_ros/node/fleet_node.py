@@ -22,7 +22,10 @@ namespaces served from the start), ``kv_budget_mb`` (the shared pool), ``block_s
 every robot.
 
 Services: ``~/add_robot`` and ``~/remove_robot`` (``oxygen_ros/srv/FleetRobot``) start and stop serving one
-namespace at run time; the other robots keep running.
+namespace at run time; the other robots keep running. ``~/add_robot`` answers once the robot's autostart
+has configured and activated it, or with the reason it failed (nothing of it is kept, so a corrected retry
+succeeds). A removed robot's ``~/ask`` goals each get one result (aborted, ``STATUS_CANCELLED``, the reason)
+before its node is destroyed; so do every robot's on SIGINT / SIGTERM, before the context shuts down.
 """
 
 from __future__ import annotations
@@ -36,10 +39,13 @@ from typing import Callable
 
 import rclpy
 from rcl_interfaces.msg import ParameterDescriptor
+from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.clock import Clock, ClockType
 from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
 from rclpy.executors import ExternalShutdownException
 from rclpy.node import Node
 from rclpy.parameter import Parameter
+from rclpy.task import Future
 
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.fleet import Fleet
@@ -47,7 +53,7 @@ from oxygen_ros.engine.fleet_server import FleetServer, RobotClient
 from oxygen_ros.node.executor import TransitionExecutor
 from oxygen_ros.node.model_loading import load_parts, load_processor, model_key
 from oxygen_ros.node.oxygen_node import OxygenNode
-from oxygen_ros.node.process import error_line as _error_line, run_process
+from oxygen_ros.node.process import _GOALS_WAIT_S, _RESULTS_SEND_S, error_line as _error_line, run_process
 from oxygen_ros.node.parameters import NodeSettings
 from oxygen_ros.srv import FleetRobot
 
@@ -90,10 +96,15 @@ class FleetNode(Node):
         self._lock = threading.RLock()          # the robot nodes
         self._model_lock = threading.Lock()     # the model and the server (held while the model loads)
         self._nodes: dict[str, OxygenNode] = {}
+        # removed robots' nodes, still spun until their ~/ask goals have handed over their results
+        # (guarded by _lock): node -> [steady time it was removed, steady time its last goal returned or None]
+        self._retiring: dict[OxygenNode, list] = {}
+        self._reap_timer = None
         self._server: FleetServer | None = None
         self._model_key: tuple | None = None
         self._executor = None
-        self.create_service(FleetRobot, "~/add_robot", self._on_add)
+        # its own group: an add waits (without blocking the executor) for the robot's configure and activate
+        self.create_service(FleetRobot, "~/add_robot", self._on_add, callback_group=ReentrantCallbackGroup())
         self.create_service(FleetRobot, "~/remove_robot", self._on_remove)
 
     # ------------------------------------------------------------------ robots
@@ -133,29 +144,79 @@ class FleetNode(Node):
 
     def add_robot(self, robot: str) -> tuple[bool, str]:
         """Start serving ``robot``'s namespace: an ``oxygen_node`` there (autostart configures and activates
-        it; its configure adds it to the fleet). Returns ``(success, message)``."""
+        it; its configure adds it to the fleet). Returns ``(success, message)`` of the start; when autostart
+        then fails (its configure names another model than the fleet serves, its share does not fit, ...),
+        the node is removed again with nothing left of it, the reason logged (:meth:`add_robot_async`
+        reports it to the caller)."""
+        ok, message, _ = self._start_robot(robot)
+        return ok, message
+
+    def add_robot_async(self, robot: str) -> Future:
+        """:meth:`add_robot`, the outcome known once the robot's autostart has ended: a Future (done on this
+        node's executor) of ``(success, message)``, where success means the robot's node is active (or, with
+        ``autostart`` off, started unconfigured) and a failure's message carries the reason (its configure
+        error), the robot not served and nothing of it kept, so a corrected retry succeeds."""
+        future = Future(executor=self._executor)
+        ok, message, node = self._start_robot(robot)
+        if not ok:
+            future.set_result((False, message))
+            return future
+        robot = _absolute(robot)
+
+        def ended() -> None:     # on the transition's thread: settled on the executor
+            self._executor.create_task(self._settle_autostart, robot, node, message, future)
+
+        node.when_autostarted(ended)
+        return future
+
+    def _start_robot(self, robot: str) -> tuple[bool, str, OxygenNode | None]:
         if not _NAMESPACE.match(robot or ""):
-            return False, f"invalid robot namespace {robot!r}"
+            return False, f"invalid robot namespace {robot!r}", None
         robot = _absolute(robot)
         with self._lock:
             if self._executor is None:
-                return False, "the fleet node is not spinning yet"
+                return False, "the fleet node is not spinning yet", None
             if robot in self._nodes:
-                return False, f"robot {robot} is already served"
+                return False, f"robot {robot} is already served", None
             overrides = self._robot_parameters(robot) if self._robot_parameters else []
             try:
                 node = OxygenNode(namespace=robot, context=self.context, parameter_overrides=overrides,
                                   engine_builder=lambda settings, robot=robot: self._engine_for(robot, settings))
             except (InvalidParameterTypeException, InvalidParameterValueException) as error:
-                return False, f"robot {robot}: invalid parameter: {_error_line(error)}"
+                return False, f"robot {robot}: invalid parameter: {_error_line(error)}", None
             self._nodes[robot] = node
         self._executor.add_node(node)
-        return True, f"robot {robot} added: {node.get_fully_qualified_name()}"
+        node.when_autostarted(lambda: self._executor.create_task(self._settle_autostart, robot, node))
+        return True, f"robot {robot} added: {node.get_fully_qualified_name()}", node
+
+    def _settle_autostart(self, robot: str, node: OxygenNode, added: str | None = None,
+                          future: Future | None = None) -> None:
+        """After ``node``'s autostart (on the executor): a robot whose autostart failed is removed with
+        everything it holds; ``future`` (an add's) gets the outcome."""
+        with self._lock:
+            served = self._nodes.get(robot) is node
+        failed = node.autostart_failed
+        if failed is not None:
+            reason = node.configure_error if failed == "configure" and node.configure_error else \
+                f"{failed} failed (see its log)"
+            message = f"robot {robot} not added: {failed} failed: {reason}"
+            if served:
+                self.get_logger().error(f"{message}; it can be added again once corrected")
+                self._drop(robot, node, f"robot {robot}: {failed} failed")
+        elif not served:
+            message = f"robot {robot} was removed before its autostart ended"
+        else:
+            message = added
+        if future is not None and not future.done():
+            future.set_result((failed is None and served, message))
 
     def remove_robot(self, robot: str) -> tuple[bool, str]:
         """Stop serving ``robot``: its node stops acting (final Speech of every request, its stop command),
-        releases its engine client (its pages and share return to the pool) and is destroyed; the other
-        robots keep running. Refused while the robot's node is configuring. Returns ``(success, message)``."""
+        ends its ``~/ask`` goals (each one result: aborted, ``STATUS_CANCELLED``, "robot ... removed from the
+        fleet"), releases its engine client (its pages and share return to the pool) and is destroyed once
+        the goals have handed over their results (while the executor spins; :meth:`close` at once); the
+        other robots keep running. Refused while the robot's node is configuring. Returns
+        ``(success, message)``."""
         robot = _absolute(robot) if _NAMESPACE.match(robot or "") else robot
         with self._lock:
             node = self._nodes.get(robot)
@@ -163,20 +224,80 @@ class FleetNode(Node):
                 return False, f"robot {robot!r} is not served"
             if node.lifecycle_state == "configuring":
                 return False, f"robot {robot} is configuring; remove it once configured"
-            del self._nodes[robot]
+        self._drop(robot, node, f"robot {robot} was removed from the fleet")
+        return True, f"robot {robot} removed"
+
+    def _drop(self, robot: str, node: OxygenNode, reason: str) -> None:
+        """Stop and release ``node`` (``reason``: its open goals' result message), then retire it."""
+        with self._lock:
+            if self._nodes.get(robot) is node:
+                del self._nodes[robot]
         node.cancel_autostart()
+        node.commands.end_goals(reason)     # before the final events: their results carry the reason
         if node.stop_acting():
             node.wait_for_final_messages(0.5)
         node.release()
-        if self._executor is not None:
-            self._executor.remove_node(node)
-        node.destroy_node()
-        return True, f"robot {robot} removed"
+        with self._lock:
+            self._retiring[node] = [time.monotonic(), None]
+            if self._reap_timer is None and self._executor is not None:
+                # on the steady clock: a paused /clock must not keep removed nodes alive
+                self._reap_timer = self.create_timer(0.02, self._reap, clock=Clock(clock_type=ClockType.STEADY_TIME))
+
+    @property
+    def retiring(self) -> int:
+        """Removed robots' nodes not yet destroyed (their ``~/ask`` goals are handing over results)."""
+        with self._lock:
+            return len(self._retiring)
+
+    def _reap(self, force: bool = False) -> None:
+        """Destroy the retired nodes whose ``~/ask`` goals have all returned their results, after
+        :data:`_RESULTS_SEND_S` more of spinning for the action server to send them, or that waited over
+        :data:`_GOALS_WAIT_S` for them (logged); ``force``: all now (nothing spins any more)."""
+        now = time.monotonic()
+        done = []
+        with self._lock:
+            for node, times in self._retiring.items():
+                if node.commands.open_goals and not force:
+                    if now - times[0] < _GOALS_WAIT_S:
+                        continue
+                    self.get_logger().warning(f"{node.get_namespace()}: {node.commands.open_goals} ~/ask goals "
+                                              f"without a result after {_GOALS_WAIT_S:g} s; destroying its node")
+                elif not force:
+                    times[1] = times[1] or now
+                    if now - times[1] < _RESULTS_SEND_S:
+                        continue
+                done.append(node)
+            for node in done:
+                del self._retiring[node]
+            timer = self._reap_timer if not self._retiring else None
+            if timer is not None:
+                self._reap_timer = None
+        for node in done:
+            if self._executor is not None:
+                self._executor.remove_node(node)
+            node.destroy_node()
+        if timer is not None:
+            self.destroy_timer(timer)
+
+    def stop_robots(self) -> None:
+        """End every robot that is not configuring as :meth:`remove_robot` does (a stop signal: their goals'
+        result message says so); those configuring are left to :meth:`close`."""
+        for robot in self.robots:
+            with self._lock:
+                node = self._nodes.get(robot)
+            if node is not None and node.lifecycle_state != "configuring":
+                self._drop(robot, node, "the fleet node is stopping (signal or shutdown)")
 
     def close(self) -> None:
-        """Remove every robot and stop the fleet server (what the process's exit does)."""
+        """Remove every robot, destroy every removed robot's node now, and stop the fleet server (what the
+        process's exit does, after the executor stopped spinning)."""
         for robot in self.robots:
-            self.remove_robot(robot)
+            with self._lock:
+                node = self._nodes.get(robot)
+            if node is not None:
+                node.cancel_autostart()
+                self._drop(robot, node, "the fleet node is closing")
+        self._reap(force=True)
         with self._model_lock:
             server, self._server = self._server, None
         if server is not None:
@@ -212,8 +333,8 @@ class FleetNode(Node):
             config = replace(settings.engine, scheduling=fleet.scheduling, block_size=fleet.block_size)
             return self._server.add_robot(robot, processor, config)
 
-    def _on_add(self, request, response):
-        response.success, response.message = self.add_robot(request.robot)
+    async def _on_add(self, request, response):
+        response.success, response.message = await self.add_robot_async(request.robot)
         return response
 
     def _on_remove(self, request, response):
@@ -246,6 +367,14 @@ def _spin(fleet: "FleetNode", received: list[int]) -> int:
     if received:
         logger.info(f"{signal.Signals(received[0]).name}: stopping")
     try:
+        if rclpy.ok(context=fleet.context):
+            # Each robot stops while the context is up, and the executor spins until every ~/ask goal has
+            # handed its result to its action server and the servers have sent them (bounded: _reap).
+            for robot in fleet.robots:
+                fleet.robot_node(robot).cancel_autostart()
+            fleet.stop_robots()
+            while fleet.retiring and rclpy.ok(context=fleet.context):
+                executor.spin_once(timeout_sec=0.02)
         executor.shutdown(timeout_sec=5.0)     # a transition in progress ends first
         fleet.close()
         fleet.destroy_node()

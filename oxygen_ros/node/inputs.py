@@ -178,7 +178,8 @@ class InputStore:
             return changed
 
     def map_joint_state(self, names, positions) -> np.ndarray:
-        """JointState ``name[]`` / ``position[]`` → float32 ``[len(joint_names)]`` in ``joint_names`` order.
+        """JointState ``name[]`` / ``position[]`` → float64 ``[len(joint_names)]`` in ``joint_names`` order
+        (the message's own precision: the π0.5 state bins are computed from it).
 
         Extra joints in the message are ignored.
 
@@ -191,7 +192,7 @@ class InputStore:
         missing = [name for name in self._joint_names if name not in index]
         if missing:
             raise InputError("joint_state_missing_joint", f"joints {missing} missing (message has {list(names)})")
-        state = np.array([positions[index[name]] for name in self._joint_names], dtype=np.float32)
+        state = np.array([positions[index[name]] for name in self._joint_names], dtype=np.float64)
         if not np.all(np.isfinite(state)):
             bad = [name for name, value in zip(self._joint_names, state) if not math.isfinite(value)]
             raise InputError("joint_state_nan", f"non-finite positions of joints {bad}")

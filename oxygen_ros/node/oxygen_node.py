@@ -59,6 +59,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 import rclpy
@@ -181,6 +182,7 @@ class OxygenNode(LifecycleNode):
         self._configure_error: str | None = None
         self._autostart_failed: str | None = None
         self._autostart_cancelled = threading.Event()   # set by a stop signal: no further autostart transition
+        self._autostart_ended: list = []   # callbacks of when_autostarted; None once autostart has ended
         # output checks and time (see output_checks.py, time_checks.py)
         self._withheld = DropCounter(self._log_error, what="output withheld")
         self._output_warner = DropCounter(self.get_logger().warning, what="output changed")
@@ -325,7 +327,27 @@ class OxygenNode(LifecycleNode):
         the node is not activated after it, so nothing is published after the signal. Any thread."""
         self._autostart_cancelled.set()
 
+    def when_autostarted(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once autostart's transitions have ended (activated, failed: see
+        :attr:`autostart_failed` and :attr:`configure_error`, or stopped by :meth:`cancel_autostart`), on the
+        thread that ran them; at once when they have ended already or the node does not autostart."""
+        with self._parameter_lock:
+            pending = self._autostart_ended is not None and getattr(self, "_autostart_timer", None) is not None
+            if pending:
+                self._autostart_ended.append(callback)
+        if not pending:
+            callback()
+
     def _autostart(self) -> None:
+        try:
+            self._autostart_transitions()
+        finally:
+            with self._parameter_lock:
+                callbacks, self._autostart_ended = self._autostart_ended, None
+            for callback in callbacks:
+                callback()
+
+    def _autostart_transitions(self) -> None:
         self.destroy_timer(self._autostart_timer)
         for transition, trigger in (("configure", self.trigger_configure), ("activate", self.trigger_activate)):
             if self._autostart_cancelled.is_set():
