@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Callable, Hashable
 
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.engine import Engine
@@ -200,20 +200,57 @@ class RobotShare:
 
 
 class RobotClient:
-    """One robot of a :class:`FleetServer`, with the engine interface a node uses: ``run_cycle`` goes
-    through the server (batched with the other robots); submit, cancel, metrics, pool, ... are its
-    lane's (:class:`~oxygen_ros.engine.engine.Engine`). Events of cycles that did not serve this robot
-    come with its next ``run_cycle`` or ``take_events``."""
+    """One robot of a :class:`FleetServer`, implementing the engine interface a node uses
+    (:class:`~oxygen_ros.engine.engine.RobotEngine`): ``run_cycle`` goes through the server (batched with
+    the other robots); submissions, cancellations, metrics and the robot's share of the pool are its
+    fleet engine's (:meth:`Fleet.robot`). Events of cycles that did not serve this robot come with its
+    next ``run_cycle`` or ``take_events``."""
 
     def __init__(self, server: FleetServer, robot_id: Hashable, lane: Engine):
         self.robot_id = robot_id
+        self.config = lane.config
         self._server = server
         self._lane = lane
 
-    def __getattr__(self, name: str) -> Any:
-        # submit, cancel, cancel_task, metrics, metrics_records, reset_metrics, counters,
-        # active_requests, config: the lane's own.
-        return getattr(self._lane, name)
+    def submit(self, task: str, instruction: str | None = None, prompt_template: str | None = None) -> int:
+        """:meth:`Engine.submit` of this robot (any thread)."""
+        return self._lane.submit(task, instruction, prompt_template)
+
+    def cancel(self, request_id: int) -> bool:
+        """:meth:`Engine.cancel` of this robot (any thread)."""
+        return self._lane.cancel(request_id)
+
+    def cancel_task(self, task: str) -> int:
+        """:meth:`Engine.cancel_task` of this robot (any thread)."""
+        return self._lane.cancel_task(task)
+
+    def metrics(self) -> dict:
+        """:meth:`Engine.metrics` of this robot."""
+        return self._lane.metrics()
+
+    def reset_metrics(self) -> None:
+        """:meth:`Engine.reset_metrics` of this robot."""
+        self._lane.reset_metrics()
+
+    @property
+    def metrics_records(self):
+        """This robot's :class:`~oxygen_ros.engine.metrics.EngineMetrics`."""
+        return self._lane.metrics_records
+
+    @property
+    def counters(self):
+        """The fleet's cumulative model work (shared by its robots)."""
+        return self._lane.counters
+
+    @property
+    def subtask(self):
+        """This robot's latest subtask (:class:`~oxygen_ros.engine.subtask.SubtaskState`)."""
+        return self._lane.subtask
+
+    @property
+    def active_requests(self) -> list:
+        """This robot's waiting and running language requests."""
+        return self._lane.active_requests
 
     @property
     def pool(self) -> "RobotShare":
