@@ -113,15 +113,15 @@ NODE_PARAMETERS: tuple[Declaration, ...] = (
     _node("seed", 0, "seed of the random weights when no checkpoint is given", _MODEL, low=0, high=2**31 - 1,
           when=STRUCTURAL),
     # ---- robot
-    _node("joint_names", Parameter.Type.STRING_ARRAY, "joints of the robot state vector, in order, matched by "
-          "name in sensor_msgs/JointState (required: pi0 and pi0.5 read the state)", _ROBOT, when=STRUCTURAL),
+    _node("joint_names", Parameter.Type.STRING_ARRAY, "joints of the robot state vector, in order, each once, "
+          "matched by name in sensor_msgs/JointState (required: pi0 and pi0.5 read the state)", _ROBOT, when=STRUCTURAL),
     _node("action_dim", 0, "D: action dimensions kept from the model's padded 32; 0 = the conventions' robot "
           "action dimension, else the number of joint_names", _ROBOT, low=0, high=32, when=STRUCTURAL),
     _node("action_dt_s", 0.0, "time between consecutive actions of a chunk (the policy's action period); 0 = "
           "the conventions' (e.g. 1/15 s for DROID), else 0.05 s", _ROBOT, unit="s", low=0.0, high=10.0,
           when=STRUCTURAL),
-    _node("action_names", Parameter.Type.STRING_ARRAY, "name of each of the D action dimensions; empty = "
-          "joint_names when it has D entries, else action_0 ... action_{D-1}", _ROBOT, when=STRUCTURAL),
+    _node("action_names", Parameter.Type.STRING_ARRAY, "name of each of the D action dimensions, each once; "
+          "empty = joint_names when it has D entries, else action_0 ... action_{D-1}", _ROBOT, when=STRUCTURAL),
     # ---- inputs
     _node("camera_topics", ["camera/image_raw"], "camera topics (relative names resolve in the node's "
           "namespace)", _INPUTS, when=STRUCTURAL),
@@ -159,8 +159,8 @@ NODE_PARAMETERS: tuple[Declaration, ...] = (
           _OUTPUTS),
     _node("publish_trajectory", False, "also publish trajectory_msgs/JointTrajectory on ~/joint_trajectory",
           _OUTPUTS),
-    _node("trajectory_joint_names", Parameter.Type.STRING_ARRAY, "action dimensions (by name) sent in the "
-          "JointTrajectory; empty = all", _OUTPUTS),
+    _node("trajectory_joint_names", Parameter.Type.STRING_ARRAY, "action dimensions (by name, each once) sent in "
+          "the JointTrajectory; empty = all", _OUTPUTS),
     _node("trajectory_stamp_policy", "now", "JointTrajectory header.stamp: now (stamp 0: the controller starts "
           "on receipt) or observation (the observation's stamp: point i is due at observation + (i+1)*dt, so "
           "the inference latency is accounted for)", _OUTPUTS, choices=TRAJECTORY_STAMP_POLICIES),
@@ -369,6 +369,15 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def _check_unique(name: str, names: tuple[str, ...]) -> None:
+    """Raises ValueError naming parameter ``name`` and its repeated entries when ``names`` has one twice (a
+    joint named twice in a state vector or a trajectory is ambiguous: a controller rejects or misapplies it)."""
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"parameter {name}: names must be unique, {repeated} appear more than once in "
+                         f"{list(names)}")
+
+
 def engine_mapping(values: dict[str, Any], conventions: Conventions, camera_slots: tuple[str, ...]) -> dict:
     """The :meth:`EngineConfig.from_dict` mapping of the parameter ``values`` (by name): every
     declaration with an ``engine_path`` at its path, the enabled language tasks with their fixed name
@@ -438,8 +447,7 @@ def read_settings(node: Node) -> NodeSettings:
     joint_names = tuple(v["joint_names"])
     if not joint_names:
         raise ValueError("parameter joint_names: list the joints of the robot state (pi0/pi0.5 read the state)")
-    if len(set(joint_names)) != len(joint_names):
-        raise ValueError(f"parameter joint_names: names must be unique, got {list(joint_names)}")
+    _check_unique("joint_names", joint_names)
     conventions = _conventions(v, joint_names, cameras)
     node.get_logger().info(f"conventions {conventions.describe()}")
     action_dim = conventions.action_dim or len(joint_names)
@@ -449,7 +457,9 @@ def read_settings(node: Node) -> NodeSettings:
             tuple(f"action_{i}" for i in range(action_dim))
     if len(action_names) != action_dim:
         raise ValueError(f"parameter action_names: {len(action_names)} names for action_dim {action_dim}")
+    _check_unique("action_names", action_names)
     trajectory_names = tuple(v["trajectory_joint_names"]) or action_names
+    _check_unique("trajectory_joint_names", trajectory_names)
     unknown = set(trajectory_names) - set(action_names)
     if unknown:
         raise ValueError(f"parameter trajectory_joint_names: {sorted(unknown)} are not in action_names")
