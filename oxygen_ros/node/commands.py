@@ -31,6 +31,7 @@ from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.task import Future
 
 from oxygen_ros.engine import RequestStatus, TextEvent
+from oxygen_ros.node.inputs import is_blank
 
 if TYPE_CHECKING:
     from oxygen_ros.node.oxygen_node import OxygenNode
@@ -152,6 +153,11 @@ class Commands:
         limit = node.get_parameter("max_instruction_chars").value
         if len(goal.instruction) > limit:
             return f"instruction of {len(goal.instruction)} characters exceeds max_instruction_chars {limit}"
+        if goal.instruction and is_blank(goal.instruction):
+            return "the goal's instruction is blank (whitespace only): give one, or leave it empty for the node's"
+        if is_blank(node.instruction or ""):
+            return ("the node has no instruction yet, so no control cycle runs (publish one on the instruction "
+                    "topic, call ~/set_instruction or set default_instruction)")
         if goal.prompt_template and "{instruction}" not in goal.prompt_template:
             return "prompt_template must contain {instruction}"
         return None

@@ -84,7 +84,7 @@ from oxygen_ros.node.commands import Commands
 from oxygen_ros.node.diagnostics import (FrequencyStatus, StatusTracker, diagnostic_array, engine_status_msg,
                                          inactive_topic_status)
 from oxygen_ros.node.image_conversion import ImageConversionError, compressed_to_rgb, image_to_rgb
-from oxygen_ros.node.inputs import DropCounter, Frame, InputError, InputStore, is_zero, stamp_seconds
+from oxygen_ros.node.inputs import DropCounter, Frame, InputError, InputStore, is_blank, is_zero, stamp_seconds
 from oxygen_ros.node.model_loading import build_engine, warm_up
 from oxygen_ros.node.output_checks import all_finite, expired_by, limits_from_urdf
 from oxygen_ros.node.parameters import (CameraSettings, NodeSettings, check_dynamic_change, declare_parameters,
@@ -257,8 +257,8 @@ class OxygenNode(LifecycleNode):
         return self._skips.total()
 
     def skip_reasons(self) -> dict[str, int]:
-        """Skipped control cycles since activation by reason (``no_observation``, ``clock_not_started``,
-        ``clock_paused``, ``no_joint_limits``)."""
+        """Skipped control cycles since activation by reason (``no_instruction``, ``no_observation``,
+        ``clock_not_started``, ``clock_paused``, ``no_joint_limits``)."""
         return self._skips.counts()
 
     def output_events(self) -> dict[str, int]:
@@ -773,8 +773,8 @@ class OxygenNode(LifecycleNode):
         """Validate and store an instruction (from the instruction topic or ``~/set_instruction``).
 
         Returns:
-            (taken, what happened): refused when the node is not configured, the text is empty or longer
-            than ``max_instruction_chars`` (counted as a dropped input).
+            (taken, what happened): refused when the node is not configured, the text is empty or blank
+            (whitespace only) or longer than ``max_instruction_chars`` (counted as a dropped input).
         """
         inputs, settings, engine = self._inputs, self._settings, self._engine
         if inputs is None or settings is None or engine is None:
@@ -784,9 +784,10 @@ class OxygenNode(LifecycleNode):
             reason = f"instruction of {len(text)} characters exceeds max_instruction_chars {limit}"
             self._drop_input("instructions", "instruction_too_long", f"{reason}; keeping {inputs.instruction!r}")
             return False, reason
-        if not text.strip():
-            self._drop_input("instructions", "instruction_empty", "empty instruction ignored")
-            return False, "empty instruction ignored"
+        if is_blank(text):
+            reason = "empty or blank instruction refused: it gives no task"
+            self._drop_input("instructions", "instruction_empty", f"{reason}; keeping {inputs.instruction!r}")
+            return False, reason
         if not inputs.store_instruction(text):
             return True, "instruction unchanged"
         self.get_logger().info(f"instruction: {text[:200]!r}")
@@ -836,6 +837,9 @@ class OxygenNode(LifecycleNode):
 
     def _skip(self, reason: str, detail: str) -> None:
         self._status.record_skip(detail)
+        if reason == "no_instruction":   # a node may wait long for its task: said once per activation, at INFO
+            self._skips.drop(reason, detail, self.get_logger().info, once=True)
+            return
         if self._seq == 0 and reason in _STARTUP_SKIPS:
             # Before the first observation since configure, waiting for inputs (or the clock) is the expected
             # state, not a fault: logged at INFO (still counted, and on /diagnostics).
@@ -845,6 +849,11 @@ class OxygenNode(LifecycleNode):
         self._publish_language(self._engine.take_events()[0])    # requests cancelled meanwhile still end
 
     def _run_one_cycle(self, settings: NodeSettings, engine: Engine, inputs: InputStore, deadline: float) -> None:
+        if is_blank(inputs.instruction):    # nothing moves without a task; every prompt has {instruction}
+            self._skip("no_instruction", f"waiting for an instruction on {settings.instruction_topic} or "
+                       "~/set_instruction (default_instruction is empty): no action chunk, trajectory or "
+                       "language output until one arrives")
+            return
         _, now_s = self._now()
         if not clock_started(now_s):
             self._skip("clock_not_started", "the node clock has not started (use_sim_time: no /clock yet)")

@@ -141,7 +141,8 @@ NODE_PARAMETERS: tuple[Declaration, ...] = (
     _node("instruction_topic", "instruction", "std_msgs/String instruction topic (reliable, volatile, depth "
           "10; plus a transient-local subscription for a latched instruction until the first one arrives)",
           _INPUTS, when=STRUCTURAL),
-    _node("default_instruction", "", "instruction used until one arrives on the instruction topic", _INPUTS),
+    _node("default_instruction", "", "instruction used until one arrives on the instruction topic; "
+          "empty = none: no action output (nor language) until one arrives", _INPUTS),
     _node("max_instruction_chars", 1000, "longer instructions are dropped (counted, with a warning)", _INPUTS,
           low=1, high=1_000_000, when=NEXT_USE),
     _node("joint_states_topic", "joint_states", "sensor_msgs/JointState topic", _INPUTS, when=STRUCTURAL),
