@@ -145,6 +145,9 @@ NODE_PARAMETERS: tuple[Declaration, ...] = (
           "empty = none: no action output (nor language) until one arrives", _INPUTS),
     _node("max_instruction_chars", 1000, "longer instructions are dropped (counted, with a warning)", _INPUTS,
           low=1, high=1_000_000, when=NEXT_USE),
+    _node("max_pending_goals", 64, "most ~/ask goals accepted and without a result yet; a goal beyond is "
+          "rejected with the reason (every goal request is answered, up to 1000 queued at once)", _INPUTS,
+          low=1, high=1000, when=NEXT_USE),
     _node("joint_states_topic", "joint_states", "sensor_msgs/JointState topic", _INPUTS, when=STRUCTURAL),
     _node("joint_states_reliability", "best_effort", "joint-state subscription reliability: best_effort "
           "(sensor-data QoS, for a driver that streams its state) or reliable (for a source that publishes "
