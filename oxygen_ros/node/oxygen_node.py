@@ -42,6 +42,8 @@ Topics (relative names resolve in the node's namespace; ``~`` is the node's priv
     out  /diagnostics              diagnostic_msgs/DiagnosticArray, reliable, depth 10, at status_rate_hz
 
 Every subscription and publisher counts incompatible-QoS events (reported in ~/status and /diagnostics).
+Another publisher of ~/action_chunk or ~/joint_trajectory (a duplicate node) is looked for on the graph at
+activate and every second (oxygen_ros/node/command_conflicts.py): refused or warned per command_conflict_policy.
 What leaves the node is checked first (oxygen_ros/node/output_checks.py): non-finite chunks and memory
 embeddings are withheld, joint limits clamp or reject, expired outputs fall back or are withheld. Time
 (oxygen_ros/node/time_checks.py): backwards jumps of the node clock or of camera stamps are counted and
@@ -80,6 +82,7 @@ from trajectory_msgs.msg import JointTrajectory
 from oxygen_ros.engine import ActionChunk, Engine, RequestStatus
 from oxygen_ros.engine.detokenizer import is_speakable
 from oxygen_ros.node import conversions
+from oxygen_ros.node.command_conflicts import GRAPH_POLL_S, CommandConflicts
 from oxygen_ros.node.commands import Commands
 from oxygen_ros.node.diagnostics import (FrequencyStatus, StatusTracker, diagnostic_array, engine_status_msg,
                                          inactive_topic_status)
@@ -209,6 +212,7 @@ class OxygenNode(LifecycleNode):
         # ~/ask, ~/pause_actions, ~/resume_actions, ~/set_instruction (oxygen_ros/node/commands.py); before
         # the parameters, so that a node whose declaration fails can still be destroyed
         self._commands = Commands(self)
+        self._conflicts = CommandConflicts(self)    # other publishers of ~/action_chunk, ~/joint_trajectory
         declare_parameters(self)
         self.add_on_set_parameters_callback(self._check_parameter_change)
         if self.get_parameter("autostart").value:
@@ -283,6 +287,11 @@ class OxygenNode(LifecycleNode):
         """The joint position limits in force (:class:`oxygen_ros.node.output_checks.JointLimits`, from the
         parameters or robot_description), or None."""
         return self._joint_limits
+
+    @property
+    def command_conflicts(self) -> CommandConflicts:
+        """Other publishers of the command topics as last seen on the graph (command_conflicts.py)."""
+        return self._conflicts
 
     @property
     def commands(self) -> Commands:
@@ -385,6 +394,12 @@ class OxygenNode(LifecycleNode):
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         """Enable the publishers and start the control-cycle thread."""
+        policy = self.get_parameter("command_conflict_policy").value
+        conflict = self._conflicts.check(policy)
+        if conflict is not None and policy == "refuse":
+            self.get_logger().error(f"activate refused (command_conflict_policy refuse): another publisher of the "
+                                    f"command topics: {conflict}")
+            return TransitionCallbackReturn.FAILURE
         result = super().on_activate(state)
         if result != TransitionCallbackReturn.SUCCESS:
             return result
@@ -617,6 +632,10 @@ class OxygenNode(LifecycleNode):
         if settings.joint_limits_from_robot_description:
             self._subscribe(String, "robot_description", self._on_robot_description, _LATCHED_QOS)
         self._owned_timers.append(self.create_timer(1.0 / settings.status_rate_hz, self._publish_status))
+        self._conflicts.watch([self.resolve_topic_name(p.topic_name) for p in (self._chunk_pub, self._trajectory_pub)
+                               if p is not None])
+        self._owned_timers.append(self.create_timer(GRAPH_POLL_S, lambda: self._conflicts.check(
+            self.get_parameter("command_conflict_policy").value), clock=Clock(clock_type=ClockType.STEADY_TIME)))
         # On the steady clock: the graph is polled even while a simulated /clock is paused or absent.
         self._owned_timers.append(self.create_timer(_GRAPH_POLL_S, self._update_latched_instruction,
                                                     clock=Clock(clock_type=ClockType.STEADY_TIME)))
@@ -900,6 +919,8 @@ class OxygenNode(LifecycleNode):
     def _publish_action(self, chunk: ActionChunk, settings: NodeSettings) -> None:
         """Check the chunk (finite, joint limits, expiry) and publish the ActionChunk and JointTrajectory
         the checks allow (module docstring of output_checks.py)."""
+        if self._conflicts.withholds(self.get_parameter("command_conflict_policy").value):
+            return    # logged when the conflict appeared; counted, and ERROR on /diagnostics
         info = _tag(chunk)
         actions = chunk.actions
         if not all_finite(actions):
@@ -1055,6 +1076,7 @@ class OxygenNode(LifecycleNode):
         self._qos_reported = qos_total
         diagnostics.status[0].values.append(KeyValue(key="speech_text_withheld",
                                                      value=str(self._speech_text_withheld)))
+        self._conflicts.annotate(diagnostics.status[0], self.get_parameter("command_conflict_policy").value)
         diagnostics.status.extend(self._topic_statuses(settings))
         self._diagnostics_pub.publish(diagnostics)
 

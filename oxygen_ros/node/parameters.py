@@ -46,6 +46,7 @@ from oxygen_ros.engine.config import (NEXT_CONFIGURE, NEXT_USE, START_UP, STRUCT
 from oxygen_ros.models.config import PRESETS, get_preset
 from oxygen_ros.models.conventions import MODEL_CAMERA_SLOTS, NORM_MODES, Conventions, apply_settings, \
     resolve_conventions
+from oxygen_ros.node.command_conflicts import CONFLICT_POLICIES
 from oxygen_ros.node.output_checks import (EXPIRED_OUTPUT_POLICIES, LIMIT_POLICIES, JointLimits,
                                            limits_from_parameters)
 
@@ -185,6 +186,10 @@ NODE_PARAMETERS: tuple[Declaration, ...] = (
     _node("expired_output_margin_s", 0.0, "an output counts as expired (expired_output_policy) when less than "
           "this much of it is left at publication: the time it takes to reach and start on the controller",
           _OUTPUTS, unit="s", low=0.0, high=1e9, when=NEXT_USE),
+    _node("command_conflict_policy", "refuse", "another publisher of ~/action_chunk or ~/joint_trajectory on the "
+          "graph (a second oxygen_node with the same name and namespace, checked at activate and every 1 s): "
+          "refuse (activation fails; while active no action output while it is there) or warn (publish anyway, "
+          "logged and on /diagnostics)", _OUTPUTS, choices=CONFLICT_POLICIES, when=NEXT_USE),
     _node("on_stop_command", "hold", "the controller's last command when the node stops acting (deactivate, "
           "shutdown, SIGINT / SIGTERM, a failed transition while active): hold (one JointTrajectory on "
           "~/joint_trajectory holding the latest JointState positions of trajectory_joint_names; needs "
