@@ -43,6 +43,9 @@ FLEET_EXECUTABLE = INSTALL_PREFIX / "lib" / "oxygen_ros" / "oxygen_fleet_node"
 OXYGEN_ROS = INSTALL_PREFIX / "lib" / "oxygen_ros" / "oxygen_ros"   # record, replay, demo, soak
 JOINTS = ["joint_1", "joint_2", "joint_3", "joint_4", "joint_5", "joint_6", "gripper"]
 _HARNESS_IDS = itertools.count(1)
+# The tests' default_instruction (config/pi05_tiny.yaml ships none, and without an instruction the node publishes
+# no action output): tests of that rule set default_instruction "" themselves.
+TEST_INSTRUCTION = "pick up the cube"
 
 
 # Keys of a params file's section for this node, most specific first: rcl applies "/**/oxygen_node" (any
@@ -54,10 +57,13 @@ def executable_command(namespace: str | None = None, params_file=REPO_ROOT / "co
                        overrides=(), executable=EXECUTABLE) -> list[str]:
     """The command line of an installed executable (``oxygen_node``, or ``oxygen_fleet_node`` with
     :data:`FLEET_EXECUTABLE`) with ``params_file``, optionally under ``namespace`` and with ``-p`` ``overrides``
-    (``"name:=value"``), as ``ros2 run`` gives it."""
+    (``"name:=value"``), as ``ros2 run`` gives it. ``oxygen_node`` gets ``default_instruction``
+    :data:`TEST_INSTRUCTION` first (an override of its own wins)."""
     args = [sys.executable, str(executable), "--ros-args"]
     if namespace is not None:
         args += ["-r", f"__ns:={namespace}"]
+    if executable == EXECUTABLE:
+        overrides = (f"default_instruction:={TEST_INSTRUCTION}", *overrides)
     return args + ["--params-file", str(params_file)] + [arg for override in overrides for arg in ("-p", override)]
 
 
@@ -122,8 +128,10 @@ def file_parameters(path, **changes) -> list:
 
 
 def tiny_parameters(**changes) -> list:
-    """``config/pi05_tiny.yaml`` as parameter overrides, with ``changes`` (dotted names) applied."""
-    return file_parameters(REPO_ROOT / "config" / "pi05_tiny.yaml", **changes)
+    """``config/pi05_tiny.yaml`` as parameter overrides with ``default_instruction`` :data:`TEST_INSTRUCTION`,
+    with ``changes`` (dotted names) applied."""
+    return file_parameters(REPO_ROOT / "config" / "pi05_tiny.yaml",
+                           **{"default_instruction": TEST_INSTRUCTION, **changes})
 
 
 def wait_for(condition, timeout: float = 10.0, interval: float = 0.02) -> bool:

@@ -170,6 +170,46 @@ def test_goals_the_node_cannot_serve_are_rejected(harness, asker):
     assert asker.send(task="speech", instruction="x" * (limit + 1))[0] is None
 
 
+def test_a_burst_of_goals_gets_one_answer_each_and_every_accepted_goal_one_result(harness):
+    """100 goals sent at once (no wait between them): each is answered, accepted up to max_pending_goals, the
+    rest rejected (the cameras are off, so no accepted goal can end before all are answered); every accepted
+    goal gets one result once the cameras are back. rclpy's default service queues (depth 10) left most of
+    such a burst without any answer."""
+    from action_msgs.msg import GoalStatus
+    from oxygen_ros.action import Ask
+    from rclpy.action import ActionClient
+    from rclpy.parameter import Parameter
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+    goals, limit = 100, 30
+    # The client's own queues deep too: this tests the server's answers, not the client's default depth.
+    deep = QoSProfile(depth=goals * 2, reliability=ReliabilityPolicy.RELIABLE)
+    client = ActionClient(harness.robot, Ask, harness.topic("oxygen_node/ask"), goal_service_qos_profile=deep,
+                          result_service_qos_profile=deep, cancel_service_qos_profile=deep)
+    assert harness.node.set_parameters([Parameter("max_pending_goals", value=limit)])[0].successful
+    harness.publish_cam0 = False
+    try:
+        assert client.wait_for_server(timeout_sec=20.0)
+        skipped = harness.node.skipped_cycles()
+        assert wait_for(lambda: harness.node.skipped_cycles() >= skipped + 2, 30.0), "cycles not skipped"
+        answers = [client.send_goal_async(Ask.Goal(task="memory")) for _ in range(goals)]
+        assert wait_for(lambda: all(a.done() for a in answers), 120.0), \
+            f"{sum(not a.done() for a in answers)} of {goals} goals never answered"
+        accepted = [a.result() for a in answers if a.result().accepted]
+        assert len(accepted) == limit, (len(accepted), goals)
+        harness.publish_cam0 = True
+        results = [handle.get_result_async() for handle in accepted]
+        assert wait_for(lambda: all(r.done() for r in results), 600.0), \
+            f"{sum(not r.done() for r in results)} of {limit} accepted goals without a result"
+        assert all(r.result().status in (GoalStatus.STATUS_SUCCEEDED, GoalStatus.STATUS_ABORTED) for r in results)
+        assert harness.node.commands.open_goals == 0
+    finally:
+        harness.publish_cam0 = True
+        harness.node.set_parameters([Parameter("max_pending_goals", value=64)])
+        client.destroy()
+    assert harness.chunks_flow(timeout=30.0)
+
+
 def test_pause_withholds_action_chunks_while_language_runs_and_resume_restores_them(harness, asker):
     from oxygen_ros.srv import SwitchActions
 

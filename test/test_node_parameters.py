@@ -61,6 +61,23 @@ def test_unknown_camera_slot_fails_listing_the_valid_slots(ros_context):
         node.destroy_node()
 
 
+@pytest.mark.parametrize("name, names, others", [
+    ("joint_names", ["joint_1", "joint_2", "joint_3", "joint_4", "joint_5", "joint_6", "joint_1"], {}),
+    ("action_names", ["a0", "a1", "a2", "a3", "a4", "a5", "a1"], {"trajectory_joint_names": ["a0", "a2"]}),
+    ("trajectory_joint_names", ["joint_1", "joint_2", "joint_1"], {}),
+])
+def test_a_joint_named_twice_fails_to_configure(ros_context, name, names, others):
+    """A name repeated in the state, the action dimensions or the trajectory's joints is refused at configure,
+    naming the parameter and the repeated name (a JointTrajectory naming a joint twice is ambiguous)."""
+    node, ok = _configure(ros_context, **{name: names}, **others)
+    try:
+        assert not ok and node.engine is None and node.lifecycle_state == "unconfigured"
+        assert f"parameter {name}" in node.configure_error and "unique" in node.configure_error
+        assert names[-1] in node.configure_error
+    finally:
+        node.destroy_node()
+
+
 def test_camera_slots_reach_the_model_in_its_order_by_name(ros_context):
     """camera_topics lists the wrist camera first: the model still sees base_0_rgb first, and each
     topic's frames go to the slot it names."""

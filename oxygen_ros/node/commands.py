@@ -28,12 +28,21 @@ from oxygen_ros.action import Ask
 from oxygen_ros.srv import SetInstruction, SwitchActions
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.task import Future
 
 from oxygen_ros.engine import RequestStatus, TextEvent
+from oxygen_ros.node.inputs import is_blank
 
 if TYPE_CHECKING:
     from oxygen_ros.node.oxygen_node import OxygenNode
+
+# The ~/ask server's goal, result and cancel services. rclpy's default (depth 10) loses requests beyond the 10th
+# of a burst before the executor takes them: the goal is never answered. Deeper than any burst admission
+# should answer: beyond max_pending_goals goals are rejected, not dropped.
+ASK_QUEUE_DEPTH = 1000
+_ASK_SERVICE_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=ASK_QUEUE_DEPTH,
+                              reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.VOLATILE)
 
 _RESULT_STATUS = {
     RequestStatus.COMPLETED: Ask.Result.STATUS_COMPLETED,
@@ -89,6 +98,7 @@ class Commands:
         self._goal_ids: dict[bytes, int] = {}
         self._goals_lock = threading.Lock()
         self._executing = 0     # goals whose execute callback has not returned its result yet
+        self._pending = 0       # goals accepted whose execute callback has not returned (max_pending_goals)
         group = self.callback_group
         node.create_service(SwitchActions, "~/pause_actions",
                             lambda request, response: self._switch(True, response), callback_group=group)
@@ -97,7 +107,9 @@ class Commands:
         node.create_service(SetInstruction, "~/set_instruction", self._set_instruction, callback_group=group)
         self._ask = ActionServer(node, Ask, "~/ask", execute_callback=self._execute,
                                  goal_callback=self._on_goal, cancel_callback=self._on_cancel,
-                                 callback_group=group)
+                                 callback_group=group, goal_service_qos_profile=_ASK_SERVICE_QOS,
+                                 result_service_qos_profile=_ASK_SERVICE_QOS,
+                                 cancel_service_qos_profile=_ASK_SERVICE_QOS)
 
     # ---- pause / resume -----------------------------------------------------------------------
 
@@ -152,14 +164,28 @@ class Commands:
         limit = node.get_parameter("max_instruction_chars").value
         if len(goal.instruction) > limit:
             return f"instruction of {len(goal.instruction)} characters exceeds max_instruction_chars {limit}"
+        if goal.instruction and is_blank(goal.instruction):
+            return "the goal's instruction is blank (whitespace only): give one, or leave it empty for the node's"
+        if is_blank(node.instruction or ""):
+            return ("the node has no instruction yet, so no control cycle runs (publish one on the instruction "
+                    "topic, call ~/set_instruction or set default_instruction)")
         if goal.prompt_template and "{instruction}" not in goal.prompt_template:
             return "prompt_template must contain {instruction}"
         return None
 
     def _on_goal(self, goal: Ask.Goal) -> GoalResponse:
+        """Admission: every goal request gets an answer; beyond ``max_pending_goals`` accepted goals without a
+        result it is no (rejected, logged throttled), never a request left unanswered."""
         reason = self._refusal(goal)
+        if reason is None:
+            limit = self._node.get_parameter("max_pending_goals").value
+            with self._goals_lock:
+                if self._pending >= limit:
+                    reason = f"{self._pending} goals pending, at most max_pending_goals {limit}: ask again later"
+                else:
+                    self._pending += 1
         if reason is not None:
-            self._node.get_logger().warning(f"~/ask goal rejected: {reason}")
+            self._node.get_logger().warning(f"~/ask goal rejected: {reason}", throttle_duration_sec=1.0)
             return GoalResponse.REJECT
         return GoalResponse.ACCEPT
 
@@ -188,6 +214,7 @@ class Commands:
         finally:
             with self._goals_lock:
                 self._executing -= 1
+                self._pending -= 1
 
     async def _serve(self, goal_handle) -> Ask.Result:
         goal = goal_handle.request

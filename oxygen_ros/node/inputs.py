@@ -40,6 +40,12 @@ class InputError(ValueError):
         self.reason = reason
 
 
+def is_blank(instruction: str) -> bool:
+    """True for an instruction that gives no task: empty or whitespace only. The node acts on none (no action
+    chunk from an empty prompt: openpi refuses to run without one) and refuses one where it is given."""
+    return not instruction.strip()
+
+
 def stamp_seconds(stamp: Time) -> float:
     """``builtin_interfaces/Time`` → seconds (float)."""
     return stamp.sec + stamp.nanosec * 1e-9
@@ -68,17 +74,22 @@ class DropCounter:
         self._counts: dict[str, int] = {}
         self._since_warning: dict[str, int] = {}
         self._last_warning: dict[str, float] = {}
+        self._logged_once: set[str] = set()
         self._lock = threading.Lock()
 
-    def drop(self, reason: str, detail: str, log: Callable[[str], object] | None = None) -> None:
+    def drop(self, reason: str, detail: str, log: Callable[[str], object] | None = None, once: bool = False) -> None:
         """Count one dropped input with ``reason`` (a short key) and ``detail`` (for the log); ``log``, when
-        given, logs this one instead of ``warn`` (e.g. at INFO for an expected wait), under the same throttle."""
+        given, logs this one instead of ``warn`` (e.g. at INFO for an expected wait), under the same throttle.
+        ``once``: log only the first drop of ``reason`` since the last :meth:`reset` (a state that may last
+        long, such as waiting for an instruction); every one is still counted."""
         now = time.monotonic()
         with self._lock:
             self._counts[reason] = self._counts.get(reason, 0) + 1
             self._since_warning[reason] = self._since_warning.get(reason, 0) + 1
-            if now - self._last_warning.get(reason, -math.inf) < self._throttle_s:
+            if now - self._last_warning.get(reason, -math.inf) < self._throttle_s or \
+                    (once and reason in self._logged_once):
                 return
+            self._logged_once.add(reason)
             count, self._since_warning[reason] = self._since_warning[reason], 0
             self._last_warning[reason] = now
         message = f"{self._what} ({reason}, {count} since last logged): {detail}"
@@ -102,6 +113,7 @@ class DropCounter:
         with self._lock:
             self._counts.clear()
             self._since_warning.clear()
+            self._logged_once.clear()
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ Topics (relative names resolve in the node's namespace; ``~`` is the node's priv
     out  /diagnostics              diagnostic_msgs/DiagnosticArray, reliable, depth 10, at status_rate_hz
 
 Every subscription and publisher counts incompatible-QoS events (reported in ~/status and /diagnostics).
+Another publisher of ~/action_chunk or ~/joint_trajectory (a duplicate node) is looked for on the graph at
+activate and every second (oxygen_ros/node/command_conflicts.py): refused or warned per command_conflict_policy.
 What leaves the node is checked first (oxygen_ros/node/output_checks.py): non-finite chunks and memory
 embeddings are withheld, joint limits clamp or reject, expired outputs fall back or are withheld. Time
 (oxygen_ros/node/time_checks.py): backwards jumps of the node clock or of camera stamps are counted and
@@ -81,11 +83,12 @@ from trajectory_msgs.msg import JointTrajectory
 from oxygen_ros.engine import ActionChunk, Engine, RequestStatus
 from oxygen_ros.engine.detokenizer import is_speakable
 from oxygen_ros.node import conversions
+from oxygen_ros.node.command_conflicts import GRAPH_POLL_S, CommandConflicts
 from oxygen_ros.node.commands import Commands
 from oxygen_ros.node.diagnostics import (FrequencyStatus, StatusTracker, diagnostic_array, engine_status_msg,
                                          inactive_topic_status)
 from oxygen_ros.node.image_conversion import ImageConversionError, compressed_to_rgb, image_to_rgb
-from oxygen_ros.node.inputs import DropCounter, Frame, InputError, InputStore, is_zero, stamp_seconds
+from oxygen_ros.node.inputs import DropCounter, Frame, InputError, InputStore, is_blank, is_zero, stamp_seconds
 from oxygen_ros.node.model_loading import build_engine, warm_up
 from oxygen_ros.node.output_checks import all_finite, expired_by, limits_from_urdf
 from oxygen_ros.node.parameters import (CameraSettings, NodeSettings, check_dynamic_change, declare_parameters,
@@ -211,6 +214,7 @@ class OxygenNode(LifecycleNode):
         # ~/ask, ~/pause_actions, ~/resume_actions, ~/set_instruction (oxygen_ros/node/commands.py); before
         # the parameters, so that a node whose declaration fails can still be destroyed
         self._commands = Commands(self)
+        self._conflicts = CommandConflicts(self)    # other publishers of ~/action_chunk, ~/joint_trajectory
         declare_parameters(self)
         self.add_on_set_parameters_callback(self._check_parameter_change)
         if self.get_parameter("autostart").value:
@@ -259,8 +263,8 @@ class OxygenNode(LifecycleNode):
         return self._skips.total()
 
     def skip_reasons(self) -> dict[str, int]:
-        """Skipped control cycles since activation by reason (``no_observation``, ``clock_not_started``,
-        ``clock_paused``, ``no_joint_limits``)."""
+        """Skipped control cycles since activation by reason (``no_instruction``, ``no_observation``,
+        ``clock_not_started``, ``clock_paused``, ``no_joint_limits``)."""
         return self._skips.counts()
 
     def output_events(self) -> dict[str, int]:
@@ -285,6 +289,11 @@ class OxygenNode(LifecycleNode):
         """The joint position limits in force (:class:`oxygen_ros.node.output_checks.JointLimits`, from the
         parameters or robot_description), or None."""
         return self._joint_limits
+
+    @property
+    def command_conflicts(self) -> CommandConflicts:
+        """Other publishers of the command topics as last seen on the graph (command_conflicts.py)."""
+        return self._conflicts
 
     @property
     def commands(self) -> Commands:
@@ -407,6 +416,12 @@ class OxygenNode(LifecycleNode):
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
         """Enable the publishers and start the control-cycle thread."""
+        policy = self.get_parameter("command_conflict_policy").value
+        conflict = self._conflicts.check(policy)
+        if conflict is not None and policy == "refuse":
+            self.get_logger().error(f"activate refused (command_conflict_policy refuse): another publisher of the "
+                                    f"command topics: {conflict}")
+            return TransitionCallbackReturn.FAILURE
         result = super().on_activate(state)
         if result != TransitionCallbackReturn.SUCCESS:
             return result
@@ -639,6 +654,10 @@ class OxygenNode(LifecycleNode):
         if settings.joint_limits_from_robot_description:
             self._subscribe(String, "robot_description", self._on_robot_description, _LATCHED_QOS)
         self._owned_timers.append(self.create_timer(1.0 / settings.status_rate_hz, self._publish_status))
+        self._conflicts.watch([self.resolve_topic_name(p.topic_name) for p in (self._chunk_pub, self._trajectory_pub)
+                               if p is not None])
+        self._owned_timers.append(self.create_timer(GRAPH_POLL_S, lambda: self._conflicts.check(
+            self.get_parameter("command_conflict_policy").value), clock=Clock(clock_type=ClockType.STEADY_TIME)))
         # On the steady clock: the graph is polled even while a simulated /clock is paused or absent.
         self._owned_timers.append(self.create_timer(_GRAPH_POLL_S, self._update_latched_instruction,
                                                     clock=Clock(clock_type=ClockType.STEADY_TIME)))
@@ -795,8 +814,8 @@ class OxygenNode(LifecycleNode):
         """Validate and store an instruction (from the instruction topic or ``~/set_instruction``).
 
         Returns:
-            (taken, what happened): refused when the node is not configured, the text is empty or longer
-            than ``max_instruction_chars`` (counted as a dropped input).
+            (taken, what happened): refused when the node is not configured, the text is empty or blank
+            (whitespace only) or longer than ``max_instruction_chars`` (counted as a dropped input).
         """
         inputs, settings, engine = self._inputs, self._settings, self._engine
         if inputs is None or settings is None or engine is None:
@@ -806,9 +825,10 @@ class OxygenNode(LifecycleNode):
             reason = f"instruction of {len(text)} characters exceeds max_instruction_chars {limit}"
             self._drop_input("instructions", "instruction_too_long", f"{reason}; keeping {inputs.instruction!r}")
             return False, reason
-        if not text.strip():
-            self._drop_input("instructions", "instruction_empty", "empty instruction ignored")
-            return False, "empty instruction ignored"
+        if is_blank(text):
+            reason = "empty or blank instruction refused: it gives no task"
+            self._drop_input("instructions", "instruction_empty", f"{reason}; keeping {inputs.instruction!r}")
+            return False, reason
         if not inputs.store_instruction(text):
             return True, "instruction unchanged"
         self.get_logger().info(f"instruction: {text[:200]!r}")
@@ -858,6 +878,9 @@ class OxygenNode(LifecycleNode):
 
     def _skip(self, reason: str, detail: str) -> None:
         self._status.record_skip(detail)
+        if reason == "no_instruction":   # a node may wait long for its task: said once per activation, at INFO
+            self._skips.drop(reason, detail, self.get_logger().info, once=True)
+            return
         if self._seq == 0 and reason in _STARTUP_SKIPS:
             # Before the first observation since configure, waiting for inputs (or the clock) is the expected
             # state, not a fault: logged at INFO (still counted, and on /diagnostics).
@@ -867,6 +890,11 @@ class OxygenNode(LifecycleNode):
         self._publish_language(self._engine.take_events()[0])    # requests cancelled meanwhile still end
 
     def _run_one_cycle(self, settings: NodeSettings, engine: Engine, inputs: InputStore, deadline: float) -> None:
+        if is_blank(inputs.instruction):    # nothing moves without a task; every prompt has {instruction}
+            self._skip("no_instruction", f"waiting for an instruction on {settings.instruction_topic} or "
+                       "~/set_instruction (default_instruction is empty): no action chunk, trajectory or "
+                       "language output until one arrives")
+            return
         _, now_s = self._now()
         if not clock_started(now_s):
             self._skip("clock_not_started", "the node clock has not started (use_sim_time: no /clock yet)")
@@ -913,6 +941,8 @@ class OxygenNode(LifecycleNode):
     def _publish_action(self, chunk: ActionChunk, settings: NodeSettings) -> None:
         """Check the chunk (finite, joint limits, expiry) and publish the ActionChunk and JointTrajectory
         the checks allow (module docstring of output_checks.py)."""
+        if self._conflicts.withholds(self.get_parameter("command_conflict_policy").value):
+            return    # logged when the conflict appeared; counted, and ERROR on /diagnostics
         info = _tag(chunk)
         actions = chunk.actions
         if not all_finite(actions):
@@ -1068,6 +1098,7 @@ class OxygenNode(LifecycleNode):
         self._qos_reported = qos_total
         diagnostics.status[0].values.append(KeyValue(key="speech_text_withheld",
                                                      value=str(self._speech_text_withheld)))
+        self._conflicts.annotate(diagnostics.status[0], self.get_parameter("command_conflict_policy").value)
         diagnostics.status.extend(self._topic_statuses(settings))
         self._diagnostics_pub.publish(diagnostics)
 

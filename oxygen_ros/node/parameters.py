@@ -46,6 +46,7 @@ from oxygen_ros.engine.config import (NEXT_CONFIGURE, NEXT_USE, START_UP, STRUCT
 from oxygen_ros.models.config import PRESETS, get_preset
 from oxygen_ros.models.conventions import MODEL_CAMERA_SLOTS, NORM_MODES, Conventions, apply_settings, \
     resolve_conventions
+from oxygen_ros.node.command_conflicts import CONFLICT_POLICIES
 from oxygen_ros.node.output_checks import (EXPIRED_OUTPUT_POLICIES, LIMIT_POLICIES, JointLimits,
                                            limits_from_parameters)
 
@@ -113,15 +114,15 @@ NODE_PARAMETERS: tuple[Declaration, ...] = (
     _node("seed", 0, "seed of the random weights when no checkpoint is given", _MODEL, low=0, high=2**31 - 1,
           when=STRUCTURAL),
     # ---- robot
-    _node("joint_names", Parameter.Type.STRING_ARRAY, "joints of the robot state vector, in order, matched by "
-          "name in sensor_msgs/JointState (required: pi0 and pi0.5 read the state)", _ROBOT, when=STRUCTURAL),
+    _node("joint_names", Parameter.Type.STRING_ARRAY, "joints of the robot state vector, in order, each once, "
+          "matched by name in sensor_msgs/JointState (required: pi0 and pi0.5 read the state)", _ROBOT, when=STRUCTURAL),
     _node("action_dim", 0, "D: action dimensions kept from the model's padded 32; 0 = the conventions' robot "
           "action dimension, else the number of joint_names", _ROBOT, low=0, high=32, when=STRUCTURAL),
     _node("action_dt_s", 0.0, "time between consecutive actions of a chunk (the policy's action period); 0 = "
           "the conventions' (e.g. 1/15 s for DROID), else 0.05 s", _ROBOT, unit="s", low=0.0, high=10.0,
           when=STRUCTURAL),
-    _node("action_names", Parameter.Type.STRING_ARRAY, "name of each of the D action dimensions; empty = "
-          "joint_names when it has D entries, else action_0 ... action_{D-1}", _ROBOT, when=STRUCTURAL),
+    _node("action_names", Parameter.Type.STRING_ARRAY, "name of each of the D action dimensions, each once; "
+          "empty = joint_names when it has D entries, else action_0 ... action_{D-1}", _ROBOT, when=STRUCTURAL),
     # ---- inputs
     _node("camera_topics", ["camera/image_raw"], "camera topics (relative names resolve in the node's "
           "namespace)", _INPUTS, when=STRUCTURAL),
@@ -141,9 +142,13 @@ NODE_PARAMETERS: tuple[Declaration, ...] = (
     _node("instruction_topic", "instruction", "std_msgs/String instruction topic (reliable, volatile, depth "
           "10; plus a transient-local subscription for a latched instruction until the first one arrives)",
           _INPUTS, when=STRUCTURAL),
-    _node("default_instruction", "", "instruction used until one arrives on the instruction topic", _INPUTS),
+    _node("default_instruction", "", "instruction used until one arrives on the instruction topic; "
+          "empty = none: no action output (nor language) until one arrives", _INPUTS),
     _node("max_instruction_chars", 1000, "longer instructions are dropped (counted, with a warning)", _INPUTS,
           low=1, high=1_000_000, when=NEXT_USE),
+    _node("max_pending_goals", 64, "most ~/ask goals accepted and without a result yet; a goal beyond is "
+          "rejected with the reason (every goal request is answered, up to 1000 queued at once)", _INPUTS,
+          low=1, high=1000, when=NEXT_USE),
     _node("joint_states_topic", "joint_states", "sensor_msgs/JointState topic", _INPUTS, when=STRUCTURAL),
     _node("joint_states_reliability", "best_effort", "joint-state subscription reliability: best_effort "
           "(sensor-data QoS, for a driver that streams its state) or reliable (for a source that publishes "
@@ -159,8 +164,8 @@ NODE_PARAMETERS: tuple[Declaration, ...] = (
           _OUTPUTS),
     _node("publish_trajectory", False, "also publish trajectory_msgs/JointTrajectory on ~/joint_trajectory",
           _OUTPUTS),
-    _node("trajectory_joint_names", Parameter.Type.STRING_ARRAY, "action dimensions (by name) sent in the "
-          "JointTrajectory; empty = all", _OUTPUTS),
+    _node("trajectory_joint_names", Parameter.Type.STRING_ARRAY, "action dimensions (by name, each once) sent in "
+          "the JointTrajectory; empty = all", _OUTPUTS),
     _node("trajectory_stamp_policy", "now", "JointTrajectory header.stamp: now (stamp 0: the controller starts "
           "on receipt) or observation (the observation's stamp: point i is due at observation + (i+1)*dt, so "
           "the inference latency is accounted for)", _OUTPUTS, choices=TRAJECTORY_STAMP_POLICIES),
@@ -181,6 +186,10 @@ NODE_PARAMETERS: tuple[Declaration, ...] = (
     _node("expired_output_margin_s", 0.0, "an output counts as expired (expired_output_policy) when less than "
           "this much of it is left at publication: the time it takes to reach and start on the controller",
           _OUTPUTS, unit="s", low=0.0, high=1e9, when=NEXT_USE),
+    _node("command_conflict_policy", "refuse", "another publisher of ~/action_chunk or ~/joint_trajectory on the "
+          "graph (a second oxygen_node with the same name and namespace, checked at activate and every 1 s): "
+          "refuse (activation fails; while active no action output while it is there) or warn (publish anyway, "
+          "logged and on /diagnostics)", _OUTPUTS, choices=CONFLICT_POLICIES, when=NEXT_USE),
     _node("on_stop_command", "hold", "the controller's last command when the node stops acting (deactivate, "
           "shutdown, SIGINT / SIGTERM, a failed transition while active): hold (one JointTrajectory on "
           "~/joint_trajectory holding the latest JointState positions of trajectory_joint_names; needs "
@@ -369,6 +378,15 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def _check_unique(name: str, names: tuple[str, ...]) -> None:
+    """Raises ValueError naming parameter ``name`` and its repeated entries when ``names`` has one twice (a
+    joint named twice in a state vector or a trajectory is ambiguous: a controller rejects or misapplies it)."""
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"parameter {name}: names must be unique, {repeated} appear more than once in "
+                         f"{list(names)}")
+
+
 def engine_mapping(values: dict[str, Any], conventions: Conventions, camera_slots: tuple[str, ...]) -> dict:
     """The :meth:`EngineConfig.from_dict` mapping of the parameter ``values`` (by name): every
     declaration with an ``engine_path`` at its path, the enabled language tasks with their fixed name
@@ -438,8 +456,7 @@ def read_settings(node: Node) -> NodeSettings:
     joint_names = tuple(v["joint_names"])
     if not joint_names:
         raise ValueError("parameter joint_names: list the joints of the robot state (pi0/pi0.5 read the state)")
-    if len(set(joint_names)) != len(joint_names):
-        raise ValueError(f"parameter joint_names: names must be unique, got {list(joint_names)}")
+    _check_unique("joint_names", joint_names)
     conventions = _conventions(v, joint_names, cameras)
     node.get_logger().info(f"conventions {conventions.describe()}")
     action_dim = conventions.action_dim or len(joint_names)
@@ -449,7 +466,9 @@ def read_settings(node: Node) -> NodeSettings:
             tuple(f"action_{i}" for i in range(action_dim))
     if len(action_names) != action_dim:
         raise ValueError(f"parameter action_names: {len(action_names)} names for action_dim {action_dim}")
+    _check_unique("action_names", action_names)
     trajectory_names = tuple(v["trajectory_joint_names"]) or action_names
+    _check_unique("trajectory_joint_names", trajectory_names)
     unknown = set(trajectory_names) - set(action_names)
     if unknown:
         raise ValueError(f"parameter trajectory_joint_names: {sorted(unknown)} are not in action_names")
