@@ -170,6 +170,23 @@ def test_goals_the_node_cannot_serve_are_rejected(harness, asker):
     assert asker.send(task="speech", instruction="x" * (limit + 1))[0] is None
 
 
+def test_goals_with_a_malformed_template_are_rejected_and_never_cost_a_cycle(harness, asker):
+    """A template the prompt builder would fail on (an unknown field, a positional field, an unbalanced
+    brace) is rejected at the goal; a valid goal sent between them completes and the chunks keep coming:
+    the engine's unit of failure is the request, never the control cycle."""
+    from action_msgs.msg import GoalStatus
+
+    start, failed = len(harness.chunks), harness.node.failed_cycles()
+    for template in ("Describe {instruction} in {language}", "{instruction} {}", "{instruction} {"):
+        assert asker.send(task="speech", prompt_template=template)[0] is None
+    handle, _ = asker.send(task="speech", instruction="what do you see?", prompt_template="Q: {instruction}\nA:")
+    assert handle is not None
+    assert asker.result(handle).status == GoalStatus.STATUS_SUCCEEDED
+    assert asker.send(task="speech", prompt_template="Describe {instruction} in {language}")[0] is None
+    assert harness.chunks_flow(timeout=30.0) and len(harness.chunks) > start
+    assert harness.node.failed_cycles() == failed
+
+
 def test_a_burst_of_goals_gets_one_answer_each_and_every_accepted_goal_one_result(harness):
     """100 goals sent at once (no wait between them): each is answered, accepted up to max_pending_goals, the
     rest rejected (the cameras are off, so no accepted goal can end before all are answered); every accepted

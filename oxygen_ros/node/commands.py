@@ -32,6 +32,7 @@ from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPo
 from rclpy.task import Future
 
 from oxygen_ros.engine import RequestStatus, TextEvent
+from oxygen_ros.engine.config import check_template
 from oxygen_ros.node.inputs import is_blank
 
 if TYPE_CHECKING:
@@ -169,8 +170,13 @@ class Commands:
         if is_blank(node.instruction or ""):
             return ("the node has no instruction yet, so no control cycle runs (publish one on the instruction "
                     "topic, call ~/set_instruction or set default_instruction)")
-        if goal.prompt_template and "{instruction}" not in goal.prompt_template:
-            return "prompt_template must contain {instruction}"
+        if goal.prompt_template:
+            if "{instruction}" not in goal.prompt_template:
+                return "prompt_template must contain {instruction}"
+            try:
+                check_template(goal.prompt_template, "prompt_template")
+            except ValueError as error:
+                return str(error)
         return None
 
     def _on_goal(self, goal: Ask.Goal) -> GoalResponse:
@@ -266,7 +272,7 @@ class Commands:
                                                               text=event.text, sequence=sequence))
                     sequence += 1
                     continue
-                message = _ENDINGS[event.status]
+                message = _ENDINGS[event.status] + (f": {event.reason}" if event.reason else "")
                 if ended is not None and event.status != RequestStatus.COMPLETED:
                     message = f"{message}: {ended}"     # why the node ended it (end_goals before the flush)
                 result = Ask.Result(utterance_id=utterance_id, status=_RESULT_STATUS[event.status],

@@ -262,6 +262,10 @@ class OxygenNode(LifecycleNode):
         """Control cycles since activation that had no usable observation (no chunk published)."""
         return self._skips.total()
 
+    def failed_cycles(self) -> int:
+        """Control cycles that raised since the node started (counted and logged; the node goes on)."""
+        return self._cycle_error_warner.total()
+
     def skip_reasons(self) -> dict[str, int]:
         """Skipped control cycles since activation by reason (``no_instruction``, ``no_observation``,
         ``clock_not_started``, ``clock_paused``, ``no_joint_limits``)."""
