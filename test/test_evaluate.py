@@ -1,4 +1,4 @@
-"""Closed-loop evaluation (oxygen_ros/tools/evaluate.py): the scripted expert scores as the data says, a
+"""Closed-loop evaluation (oxygen_ros/tools/evaluate/): the scripted expert scores as the data says, a
 synchronous episode is deterministic, the report has its structure, and the node on simulated time runs the
 lockstep over real DDS. Random weights (pi05_demo, seeded): no trained checkpoint needed."""
 from __future__ import annotations
