@@ -1,4 +1,8 @@
-"""The evaluation's command line: ``python -m oxygen_ros.tools.evaluate`` (``--help``); ``make eval-demo``."""
+"""Closed-loop evaluation of the demo policy in the simulator: ``python -m oxygen_ros.tools.evaluate``.
+
+The command line (``--help``; ``make eval-demo``): runs the chosen conditions, writes ``eval.json``, ``eval.md``
+and the contact sheets, and prints the table; ``--worker MODE SPEC`` runs a robot child process instead.
+"""
 
 from __future__ import annotations
 
