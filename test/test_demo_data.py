@@ -23,7 +23,7 @@ def episode():
 
 
 def test_expert_transfers_the_cube_in_the_joint_space_scene(episode):
-    from oxygen_ros.tools.demo_data import PHASES
+    from oxygen_ros.demo_task import PHASES
 
     outcome = dict(zip(PHASES, episode.outcome.tolist()))
     assert outcome == {"reached": True, "grasped": True, "lifted": True, "transferred": True}
@@ -41,7 +41,8 @@ def test_the_expert_keeps_the_redundant_wrist_joints_in_one_mode():
     spring the expert's split of the two drifted to -1.8 / +2.0 rad on seed 10 (and to the opposite sign
     on other seeds), a mode the images do not show. With it the roll stays near 0 and the task still works."""
     pytest.importorskip("gym_aloha")
-    from oxygen_ros.tools.demo_data import JOINTS, expert_joint_trajectory
+    from oxygen_ros.demo_task import JOINTS
+    from oxygen_ros.tools.demo_data import expert_joint_trajectory
 
     actions, _, phases = expert_joint_trajectory(10)
     for arm in ("left", "right"):
@@ -51,7 +52,7 @@ def test_the_expert_keeps_the_redundant_wrist_joints_in_one_mode():
 
 
 def test_labels_follow_the_script_and_the_scene(episode):
-    from oxygen_ros.tools.demo_data import SUBTASKS
+    from oxygen_ros.demo_task import SUBTASKS
 
     steps = len(episode.action)
     assert episode.qpos.shape == episode.qvel.shape == episode.action.shape == (steps, 14)
@@ -82,7 +83,8 @@ def test_labels_follow_the_script_and_the_scene(episode):
 
 def test_dataset_is_deterministic_and_round_trips_through_hdf5(episode, tmp_path):
     h5py = pytest.importorskip("h5py")
-    from oxygen_ros.tools.demo_data import CAMERAS, SUBTASKS, generate_dataset, read_episode
+    from oxygen_ros.demo_task import CAMERAS, SUBTASKS, read_episode
+    from oxygen_ros.tools.demo_data import generate_dataset
 
     summary = generate_dataset(tmp_path, episodes=1, seed=SEED, image_every=IMAGE_EVERY, progress=False)
     again = read_episode(tmp_path / "episode_0.hdf5")
@@ -111,6 +113,7 @@ def test_dart_noise_moves_the_states_and_the_labels_lead_back_to_the_expert(epis
     only, in the approach and carry windows only; the recorded labels are the expert's own targets, taken at
     the nominal step nearest each recorded state; the noisy replay still transfers the cube."""
     pytest.importorskip("gym_aloha")
+    from oxygen_ros import demo_task
     from oxygen_ros.tools import demo_data as dd
 
     steps = len(episode.action)
@@ -118,7 +121,7 @@ def test_dart_noise_moves_the_states_and_the_labels_lead_back_to_the_expert(epis
     np.testing.assert_array_equal(noise, dd.perturbation(SEED, steps, 0.08))       # seeded
     assert not dd.perturbation(SEED, steps, 0.0).any()
     assert not noise[:, [6, 13]].any()                                               # grippers untouched
-    t = np.arange(steps) * dd.DT
+    t = np.arange(steps) * demo_task.DT
     quiet = np.ones(steps, bool)
     for start, end, _ in dd._PERTURB_WINDOWS:
         quiet &= ~((t >= start) & (t <= end))
@@ -154,10 +157,11 @@ def test_state_labels_are_the_evaluation_rule_and_relabel_adds_them_to_older_fil
     written without them (DART noise included) from a physics-only replay, and refuses a file whose replay
     does not reproduce its states."""
     h5py = pytest.importorskip("h5py")
+    from oxygen_ros import demo_task
     from oxygen_ros.tools import demo_data as dd
-    from oxygen_ros.tools import evaluate
+    from oxygen_ros.tools.evaluate import episode as evaluation_episode
 
-    assert evaluate.ground_truth_subtask is dd.state_subtask
+    assert evaluation_episode.ground_truth_subtask is demo_task.state_subtask
     labels = episode.state_subtask
     assert labels.shape == (len(episode.action),) and labels.dtype == np.int8
     first = [int(np.argmax(labels == k)) for k in range(5)]
@@ -170,12 +174,12 @@ def test_state_labels_are_the_evaluation_rule_and_relabel_adds_them_to_older_fil
 
     dd.generate_dataset(tmp_path, episodes=1, seed=SEED, image_every=IMAGE_EVERY, progress=False, perturb=0.08)
     path = tmp_path / "episode_0.hdf5"
-    fresh = dd.read_episode(path).state_subtask
+    fresh = demo_task.read_episode(path).state_subtask
     with h5py.File(path, "r+") as f:                            # as written before the labels existed
         del f["subtask_state"]
-    assert dd.read_episode(path).state_subtask is None
+    assert demo_task.read_episode(path).state_subtask is None
     assert dd.relabel_dataset(tmp_path, progress=False) == 1
-    again = dd.read_episode(path).state_subtask
+    again = demo_task.read_episode(path).state_subtask
     last = int(episode.image_steps.max())
     np.testing.assert_array_equal(again[:last + 1], fresh[:last + 1])
     assert (again[last + 1:] == -1).all()
@@ -205,6 +209,7 @@ def test_right_arm_offset_moves_the_grasp_point_and_keeps_the_orientation(episod
     pytest.importorskip("gym_aloha")
     import mujoco
 
+    from oxygen_ros import demo_task
     from oxygen_ros.tools import demo_data as dd
     from oxygen_ros.tools.sim_robot import _ARM_QPOS, SCENE
 
@@ -216,9 +221,9 @@ def test_right_arm_offset_moves_the_grasp_point_and_keeps_the_orientation(episod
     def pose(q):
         data.qpos[addresses] = q
         mujoco.mj_kinematics(model, data)
-        return data.xpos[body] + dd._quat_rotate(data.xquat[body], dd._GRASP_OFFSET), data.xquat[body].copy()
+        return data.xpos[body] + demo_task.quat_rotate(data.xquat[body], demo_task.GRASP_OFFSET), data.xquat[body].copy()
 
-    at = int(round(dd.MISS_AT_S / dd.DT))
+    at = int(round(dd.MISS_AT_S / demo_task.DT))
     joints = episode.action[at, 7:13].astype(np.float64)
     point, quat = pose(joints)
     for offset in ([0.04, 0.02, 0.01], [-0.05, 0.0, 0.0], [0.0, -0.06, 0.02]):
@@ -267,13 +272,14 @@ def test_near_miss_episode_hovers_beside_the_cube_then_transfers(episode, tmp_pa
     state labels say "move the right arm to the cube" while the grasp point is away; deterministic; the HDF5
     file keeps the miss, and the relabelling refuses such a file."""
     h5py = pytest.importorskip("h5py")
+    from oxygen_ros import demo_task
     from oxygen_ros.tools import demo_data as dd
 
     miss = dd.generate_miss_episode(SEED, image_every=IMAGE_EVERY, cameras=())
     assert miss.miss_offset is not None
     at, hold, correct, ramp = (int(x) for x in miss.miss_steps)
-    assert at == round(dd.MISS_AT_S / dd.DT) and correct == round(dd.MISS_CORRECT_S / dd.DT)
-    assert dd.MISS_HOLD_S[0] - dd.DT <= hold * dd.DT <= dd.MISS_HOLD_S[1] + dd.DT
+    assert at == round(dd.MISS_AT_S / demo_task.DT) and correct == round(dd.MISS_CORRECT_S / demo_task.DT)
+    assert dd.MISS_HOLD_S[0] - demo_task.DT <= hold * demo_task.DT <= dd.MISS_HOLD_S[1] + demo_task.DT
     horizontal = float(np.hypot(*miss.miss_offset[:2]))
     assert dd.MISS_DISTANCE[0] <= horizontal <= dd.MISS_DISTANCE[1]
     assert dd.MISS_RISE[0] <= miss.miss_offset[2] <= dd.MISS_RISE[1]
@@ -305,7 +311,7 @@ def test_near_miss_episode_hovers_beside_the_cube_then_transfers(episode, tmp_pa
     assert summary["near_miss"] and summary["perturb"] == 0.0
     record = summary["episodes"][0]
     assert record["miss_offset_m"] == [round(float(x), 4) for x in miss.miss_offset]
-    back = dd.read_episode(tmp_path / "episode_0.hdf5")
+    back = demo_task.read_episode(tmp_path / "episode_0.hdf5")
     np.testing.assert_array_equal(back.miss_offset, miss.miss_offset)
     np.testing.assert_array_equal(back.miss_steps, miss.miss_steps)
     np.testing.assert_array_equal(back.action, miss.action)
@@ -338,7 +344,8 @@ def test_bad_settings_raise():
 
 def test_phase_flags_and_captions_from_scene_facts():
     pytest.importorskip("gym_aloha")
-    from oxygen_ros.tools.demo_data import SceneState, phase_flags, scene_caption, wilson_interval
+    from oxygen_ros.demo_task import SceneState, phase_flags, scene_caption
+    from oxygen_ros.tools.demo_data import wilson_interval
 
     rest = 0.02
 
@@ -405,7 +412,7 @@ def test_the_expert_never_pauses_before_the_grasp_or_the_hand_over(episode):
     until it reaches the cube at the hand-over (7.2 s). A stop
     on the way would be a state whose chunk label is ambiguous (wait, or go on), which a policy learns as
     "stand still"."""
-    from oxygen_ros.tools.demo_data import DT
+    from oxygen_ros.demo_task import DT
 
     speed = np.abs(np.diff(episode.action, axis=0)) / DT          # [rad/s] per joint
     right = speed[:, 7:13].max(axis=1)

@@ -47,7 +47,7 @@ def test_short_demo_produces_chunks_speech_memory_and_a_readable_mcap(tmp_path):
     from oxygen_ros.assets import demo_policy_info
 
     # Words of its subtask labels, not token noise. Which subtask it says, and whether it is right, is the policy's
-    # closed-loop behaviour on a real-time run (measured by tools/evaluate.py, not asserted here): in one CI run it
+    # closed-loop behaviour on a real-time run (measured by tools/evaluate/, not asserted here): in one CI run it
     # said "move the cube", a mix of two labels, throughout.
     words = {word for label in demo_policy_info()["subtasks"] for word in label.split()}
     assert all(set(text.split()) <= words for text in spoken), spoken

@@ -74,7 +74,9 @@ def test_shipped_checkpoint_matches_its_recorded_conventions(evaluate, shipped):
     from oxygen_ros.models.checkpoint import checkpoint_overrides
     from oxygen_ros.models.conventions import find_norm_stats
     from oxygen_ros.node.parameters import read_settings
+    from oxygen_ros import demo_task
     from oxygen_ros.tools import demo, sim_robot
+    from oxygen_ros.tools.evaluate.settings import ParameterView
     from oxygen_ros.training import train
 
     directory, info = shipped
@@ -84,7 +86,7 @@ def test_shipped_checkpoint_matches_its_recorded_conventions(evaluate, shipped):
     assert info["action_dt_s"] == 0.02
     assert (info["speech_prompt"], info["memory_prompt"], info["action_subtask_prompt"]) == \
         (train.SUBTASK_PROMPT, train.CAPTION_PROMPT, train.ACTION_SUBTASK_PROMPT)
-    assert info["instruction"] == evaluate.INSTRUCTION and info["subtasks"] == list(evaluate.SUBTASKS)
+    assert info["instruction"] == demo_task.INSTRUCTION and info["subtasks"] == list(demo_task.SUBTASKS)
     assert info["subtask_in_action_prompt"] > 0
     # Its config is the preset's with the shapes it records apart (image size): horizon 50 (1 s at 50 Hz),
     # 32 padded action dimensions.
@@ -98,7 +100,7 @@ def test_shipped_checkpoint_matches_its_recorded_conventions(evaluate, shipped):
     # The node's settings from the demo's parameters: π0.5 defaults with the preset's horizon, the statistics
     # found where the policy put them, its prompts on speech and memory.
     params = _params(evaluate, directory)
-    settings = read_settings(evaluate._ParameterView(params))
+    settings = read_settings(ParameterView(params))
     conv = settings.conventions
     assert (conv.variant, conv.action_horizon) == ("pi05", 50)
     assert conv.action_prompt.template == info["action_prompt"]

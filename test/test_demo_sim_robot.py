@@ -77,7 +77,7 @@ def test_sim_robot_publishes_cameras_and_joints_and_executes_chunks(ros_context)
 
 def test_outcome_tracker_keeps_phases_reached_and_transferred_only_when_it_holds():
     pytest.importorskip("gym_aloha")
-    from oxygen_ros.tools.demo_data import SceneState
+    from oxygen_ros.demo_task import SceneState
     from oxygen_ros.tools.sim_robot import OutcomeTracker
 
     def state(z, right=0, left=0, on_table=True, distance=0.2):

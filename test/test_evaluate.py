@@ -1,4 +1,4 @@
-"""Closed-loop evaluation (oxygen_ros/tools/evaluate.py): the scripted expert scores as the data says, a
+"""Closed-loop evaluation (oxygen_ros/tools/evaluate/): the scripted expert scores as the data says, a
 synchronous episode is deterministic, the report has its structure, and the node on simulated time runs the
 lockstep over real DDS. Random weights (pi05_demo, seeded): no trained checkpoint needed."""
 from __future__ import annotations
@@ -27,34 +27,37 @@ def _args(evaluate, tmp_path, *extra):
 
 
 def test_expert_outcome_matches_the_data_generators_replay(evaluate):
+    from oxygen_ros import demo_task
     from oxygen_ros.tools import demo_data
 
     record = evaluate.run_sync_episode(evaluate.ExpertPolicy(), SEED, execute_steps=10)
     score = evaluate.score_episode(record)
     replay = demo_data.generate_episode(SEED, cameras=())
     # The lockstep schedule executes the expert's actions step for step: the same physics as the data's replay.
-    assert score["outcome"] == dict(zip(demo_data.PHASES, map(bool, replay.outcome)))
+    assert score["outcome"] == dict(zip(demo_task.PHASES, map(bool, replay.outcome)))
     np.testing.assert_array_equal(np.asarray(record["flags"], bool), replay.phases)
     assert score["outcome"]["grasped"] and score["outcome"]["transferred"]
-    assert score["closest_m"] == min(record["right_distance"]) < demo_data._REACH_TOLERANCE
+    assert score["closest_m"] == min(record["right_distance"]) < demo_task.REACH_TOLERANCE
     assert score["steps"] == evaluate.EPISODE_STEPS and len(record["observed"]) == evaluate.EPISODE_STEPS // 10
     # The script's labels against the state-based ground truth: they differ only within 0.4 s of a segment
     # boundary, and while the left gripper closes (7.0-8.4 s: the rule says "release" once it closes on the
     # cube, the script from 8.4 s, when the right gripper opens; docs/demo-policy.md, "Ground-truth subtask").
     assert score["subtask_total"] == len(record["observed"])
     boundaries = np.array([start for start, _ in demo_data.plan_transfer(np.zeros(3), {
-        arm: (np.zeros(3), np.array([1.0, 0.0, 0.0, 0.0])) for arm in demo_data.ARMS}).segments[1:]])
-    differ = [k * 10 * demo_data.DT for k, o in enumerate(record["observed"]) if o["subtask"] != replay.subtask[k * 10]]
+        arm: (np.zeros(3), np.array([1.0, 0.0, 0.0, 0.0])) for arm in demo_task.ARMS}).segments[1:]])
+    differ = [k * 10 * demo_task.DT for k, o in enumerate(record["observed"]) if o["subtask"] != replay.subtask[k * 10]]
     assert len(differ) == score["subtask_total"] - score["subtask_correct"]
     assert all(np.abs(boundaries - t).min() <= 0.4 + 1e-9 or 7.0 - 1e-9 <= t < 8.4 for t in differ), differ
     # The ground truth walks through the subtasks in order on a successful episode.
     truth = [o["subtask"] for o in record["observed"]]
-    assert truth[0] == 0 and truth[-1] == len(demo_data.SUBTASKS) - 1 and truth == sorted(truth)
+    assert truth[0] == 0 and truth[-1] == len(demo_task.SUBTASKS) - 1 and truth == sorted(truth)
     assert [o["caption"] for o in record["observed"]][-1] == "the left gripper holds the cube in the air"
 
 
 def test_phase_times_are_the_first_step_and_the_final_transfer(evaluate):
-    dt = evaluate.DT
+    from oxygen_ros.demo_task import DT, PHASES
+
+    dt = DT
     flags = np.zeros((10, 4), bool)
     flags[3:, 0] = True            # reached from step 3 on
     flags[5:7, 1] = True           # grasped at step 5, let go at 7
@@ -64,11 +67,12 @@ def test_phase_times_are_the_first_step_and_the_final_transfer(evaluate):
                      "transferred": round(8 * dt, 3)}
     flags[-1, 3] = False           # not held at the end: no transfer (outcome's rule)
     assert evaluate.phase_times(flags)["transferred"] is None and not evaluate.outcome(flags)["transferred"]
-    assert evaluate.phase_times(np.zeros((0, 4), bool)) == dict.fromkeys(evaluate.PHASES)
+    assert evaluate.phase_times(np.zeros((0, 4), bool)) == dict.fromkeys(PHASES)
 
 
 def test_ground_truth_rules(evaluate):
-    from oxygen_ros.tools.demo_data import SceneState
+    from oxygen_ros.demo_task import SceneState
+    from oxygen_ros.demo_task import state_subtask as ground_truth_subtask
 
     def state(z, on_table=False, right_fingers=0, distance=0.2, left_fingers=0, left_on_right=False):
         return SceneState(cube=np.array([0.1, 0.5, z]), right_fingers=right_fingers, left_fingers=left_fingers,
@@ -80,7 +84,7 @@ def test_ground_truth_rules(evaluate):
         return p
 
     rest = 0.02
-    gt = evaluate.ground_truth_subtask
+    gt = ground_truth_subtask
     assert gt(state(rest, on_table=True), rest, position(1.0, 1.0)) == 0                   # move to the cube
     assert gt(state(rest, on_table=True, distance=0.01), rest, position(1.0, 1.0)) == 1    # at it: grasp
     assert gt(state(rest + 0.05, right_fingers=1), rest, position(1.0, 0.6)) == 2          # lift
@@ -143,18 +147,20 @@ def test_lockstep_inputs_are_reliable_and_realtime_inputs_best_effort(evaluate, 
     """The lockstep robot publishes each frame's inputs once: a lost best-effort sample would never be replaced
     and the frame never completed (the joint state, sent with the images, was lost on a loaded machine:
     "stale joint state (0.20 s)" until the episode aborted). Every input of a lockstep condition is reliable."""
+    from oxygen_ros.demo_task import CAMERAS
     from oxygen_ros.node.parameters import read_settings
+    from oxygen_ros.tools.evaluate.settings import ParameterView
 
     args = _args(evaluate, tmp_path)
     for condition in ("node-lockstep", "sync", "random"):
         params = evaluate.node_parameters(condition, args, "")
-        settings = read_settings(evaluate._ParameterView(params))
+        settings = read_settings(ParameterView(params))
         assert settings.joint_states_reliability == "reliable", condition
-        assert [c.reliability for c in settings.cameras] == ["reliable"] * len(evaluate.CAMERAS), condition
-    realtime = read_settings(evaluate._ParameterView(evaluate.node_parameters("node-realtime", args, "")))
+        assert [c.reliability for c in settings.cameras] == ["reliable"] * len(CAMERAS), condition
+    realtime = read_settings(ParameterView(evaluate.node_parameters("node-realtime", args, "")))
     assert realtime.joint_states_reliability == "best_effort"       # the demo's robot streams at 50 Hz
     with pytest.raises(ValueError, match="joint_states_reliability"):
-        read_settings(evaluate._ParameterView(dict(params, joint_states_reliability="sometimes")))
+        read_settings(ParameterView(dict(params, joint_states_reliability="sometimes")))
 
 
 def test_node_lockstep_runs_over_dds_on_simulated_time(evaluate, tmp_path):

@@ -1,7 +1,7 @@
 """``joint_states_reliability``: the node's joint-state subscription is best effort (sensor data) by default and
 reliable on request, over real DDS.
 
-Why it exists: the evaluation's lockstep robot (oxygen_ros/tools/evaluate.py, ``node-lockstep``) publishes each
+Why it exists: the evaluation's lockstep robot (oxygen_ros/tools/evaluate/, ``node-lockstep``) publishes each
 frame's joint state once, together with ~690 kB of camera images. On a loaded machine the best-effort joint state
 was lost in transport while the reliable images were repaired, so the node never had the frame's joint state
 (``stale joint state (0.20 s)``, the episode aborted). A reliable subscription is repaired like the images.

@@ -73,7 +73,7 @@ def test_trainer_writes_a_checkpoint_the_loader_and_engine_serve(dataset, tmp_pa
     from oxygen_ros.models.processing import Processor
     from oxygen_ros.models.tokenizer import load_tokenizer
     from oxygen_ros.models import RobotConfig
-    from oxygen_ros.tools.demo_data import INSTRUCTION, JOINTS, read_episode
+    from oxygen_ros.demo_task import INSTRUCTION, JOINTS, read_episode
     from oxygen_ros.training.data import CAMERA_SLOTS, compute_norm_stats, episode_files, load_samples
     from oxygen_ros.training.train import train
 
@@ -138,7 +138,7 @@ def test_a_policy_trained_on_the_top_camera_at_another_image_size_is_served_by_t
     from oxygen_ros.assets import policy_cameras
     from oxygen_ros.models.checkpoint import checkpoint_overrides
     from oxygen_ros.tools import evaluate
-    from oxygen_ros.tools.demo_data import read_episode
+    from oxygen_ros.demo_task import read_episode
     from oxygen_ros.training.data import episode_files
     from oxygen_ros.training.train import train
 
@@ -184,7 +184,7 @@ def test_a_policy_trained_on_a_cropped_top_camera_is_cropped_alike_by_the_node_p
     from oxygen_ros.models import RobotConfig
     from oxygen_ros.models.checkpoint import checkpoint_overrides
     from oxygen_ros.tools import evaluate
-    from oxygen_ros.tools.demo_data import JOINTS, read_episode
+    from oxygen_ros.demo_task import JOINTS, read_episode
     from oxygen_ros.training.data import CAMERA_SLOTS, DataMismatchError, episode_files, load_samples
     from oxygen_ros.training.train import parse_args, train
 
@@ -241,7 +241,7 @@ def test_a_policy_trained_on_a_cropped_top_camera_is_cropped_alike_by_the_node_p
 
 def test_location_targets_only_where_the_cube_lies_on_the_table_and_the_pool_repeats_the_approach(dataset):
     from oxygen_ros.models import get_preset
-    from oxygen_ros.tools.demo_data import SUBTASKS, read_episode
+    from oxygen_ros.demo_task import SUBTASKS, read_episode
     from oxygen_ros.training.data import compute_norm_stats, episode_files, load_samples
     from oxygen_ros.training.train import (APPROACH_SUBTASKS, LOCATE_PROMPT, Batches, build_processor,
                                            locate_target, training_pool)
@@ -300,7 +300,7 @@ def test_state_labels_train_in_place_of_the_script_labels(dataset, tmp_path):
     checkpoint records the choice, and a file without state labels ends the loading with a message naming
     the relabel command."""
     import h5py
-    from oxygen_ros.tools.demo_data import read_episode
+    from oxygen_ros.demo_task import read_episode
     from oxygen_ros.training.data import DataMismatchError, episode_files, load_samples
     from oxygen_ros.training.train import train
 
@@ -331,7 +331,7 @@ def test_realtime_views_show_the_cameras_round_robin_and_a_newer_joint_state(dat
     one period newer in its prompts; its actions and labels stay the sample's. Start-pose samples and a
     training without the option see every sample as recorded, without drawing from the generator."""
     from oxygen_ros.models import get_preset
-    from oxygen_ros.tools.demo_data import INSTRUCTION, read_episode
+    from oxygen_ros.demo_task import INSTRUCTION, read_episode
     from oxygen_ros.training.data import compute_norm_stats, episode_files, load_samples
     from oxygen_ros.training.train import (CAPTION_PROMPT, LOCATE_PROMPT, SUBTASK_PROMPT, Batches,
                                            build_processor, train)

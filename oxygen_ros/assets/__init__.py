@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 
 DEMO_POLICY = "demo_policy"
+# The asset directory of a demo checkpoint's normalisation statistics (openpi's name for the ALOHA simulator).
+NORM_STATS_ASSET = "aloha_sim"
 # The demo robot's cameras (tools/sim_robot.py) -> the model's camera slots (openpi's ALOHA image keys): what a
 # policy sees that was trained on all three cameras, and what a demo_policy.json without "cameras" means.
 DEMO_CAMERA_SLOTS = {"top": "base_0_rgb", "left_wrist": "left_wrist_0_rgb", "right_wrist": "right_wrist_0_rgb"}
@@ -30,6 +32,12 @@ def demo_policy_dir() -> Path:
     if not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"the shipped demo policy is missing: no {path / 'model.safetensors'}")
     return path
+
+
+def norm_stats_file(checkpoint: str | Path) -> Path:
+    """Where a demo checkpoint keeps its normalisation statistics: ``assets/aloha_sim/norm_stats.json`` (openpi's
+    layout, found by :func:`oxygen_ros.models.conventions.find_norm_stats`)."""
+    return Path(checkpoint) / "assets" / NORM_STATS_ASSET / "norm_stats.json"
 
 
 def demo_policy_info() -> dict:

@@ -3,7 +3,7 @@
 A robot that receives overlapping action chunks (each: a stamp, a step ``dt`` and ``H`` actions, action
 ``i`` due at ``stamp + i·dt``) must decide which action to apply at its control time ``t``. Two ways:
 
-* **newest chunk wins** (the default; what ``sim_robot.py`` and ``evaluate.py`` have always done): the
+* **newest chunk wins** (the default; what ``sim_robot.py`` and ``evaluate/`` have always done): the
   chunk with the latest stamp gives its action at the index of ``t``, clamped to its first and last
   action (so its last action is held once it runs out);
 * **temporal ensembling** (ACT's, Zhao et al. 2023, "Learning Fine-Grained Bimanual Manipulation with

@@ -55,6 +55,7 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy  # noqa: E
 from rclpy.signals import SignalHandlerOptions  # noqa: E402
 from std_msgs.msg import String  # noqa: E402
 
+from oxygen_ros import demo_task  # noqa: E402
 from oxygen_ros.assets import demo_policy_dir, policy_cameras, read_policy_file  # noqa: E402
 from oxygen_ros.models.processing import ACTION_PROMPT  # noqa: E402
 from oxygen_ros.msg import ActionChunk, MemoryEntry, Speech  # noqa: E402
@@ -254,7 +255,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as err:
         parser.error(f"--checkpoint {args.checkpoint}: {err}")
     if args.camera_rate is None:
-        args.camera_rate = demo_data.RENDER_RATE_HZ / len(args.cameras)
+        args.camera_rate = demo_task.RENDER_RATE_HZ / len(args.cameras)
     elif not args.camera_rate > 0:
         parser.error(f"--camera-rate must be > 0 Hz, got {args.camera_rate}")
     if args.language_prompt is None:

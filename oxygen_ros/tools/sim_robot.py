@@ -23,7 +23,7 @@ arms, a red cube on the table). The node behaves like the real robot's drivers:
   physics runs in real time (2 ms MuJoCo steps, ``control_period_s`` per action). Should it still go
   unstable (NaN / Inf / huge accelerations), the scene is reset to the start pose and the reset counted
   (``AlohaScene.resets``, logged); MuJoCo's warnings go to the ROS log, not to ``MUJOCO_LOG.TXT``;
-* tracks the task's phases after every control step (:func:`oxygen_ros.tools.demo_data.phase_flags`:
+* tracks the task's phases after every control step (:func:`oxygen_ros.demo_task.phase_flags`:
   reached, grasped, lifted, transferred; from 0.2 s on, once the cube has settled) and publishes the
   outcome so far on ``task_outcome`` (``std_msgs/String``, JSON, reliable and transient local, so the last
   one reaches late joiners and the recorder): ``{"seed", "sim_time_s", "steps", "reached", "grasped",
@@ -62,8 +62,8 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy  # noqa: E
 from sensor_msgs.msg import Image, JointState  # noqa: E402
 from std_msgs.msg import String  # noqa: E402
 
+from oxygen_ros import demo_task  # noqa: E402
 from oxygen_ros.msg import ActionChunk  # noqa: E402
-from oxygen_ros.tools import demo_data  # noqa: E402
 from oxygen_ros.tools.chunk_execution import ChunkExecutor  # noqa: E402
 
 SCENE = ASSETS_DIR / "bimanual_viperx_transfer_cube.xml"
@@ -77,26 +77,26 @@ OUTCOME_TOPIC = "task_outcome"
 
 
 class OutcomeTracker:
-    """The task's phases over an episode (demo_data's definitions), from the simulator state after each
-    control step. The cube's rest height is read at the first update at or after ``settle_s`` of sim time;
+    """The task's phases over an episode (:mod:`oxygen_ros.demo_task`'s definitions), from the simulator state after
+    each control step. The cube's rest height is read at the first update at or after ``settle_s`` of sim time;
     earlier updates are ignored (the cube is still dropping onto the table)."""
 
-    def __init__(self, seed: int, settle_s: float = demo_data._SETTLE_S):
+    def __init__(self, seed: int, settle_s: float = demo_task.SETTLE_S):
         self.seed = seed
         self.settle_s = settle_s
         self.rest_height: float | None = None
         self.steps = 0
         self.sim_time_s = 0.0
-        self.ever = np.zeros(len(demo_data.PHASES), bool)
-        self.now = np.zeros(len(demo_data.PHASES), bool)
+        self.ever = np.zeros(len(demo_task.PHASES), bool)
+        self.now = np.zeros(len(demo_task.PHASES), bool)
 
-    def update(self, state: "demo_data.SceneState", sim_time_s: float) -> bool:
+    def update(self, state: "demo_task.SceneState", sim_time_s: float) -> bool:
         """Fold in the state after a control step; True when the outcome or the current flags changed."""
         if sim_time_s < self.settle_s - 1e-9:
             return False
         if self.rest_height is None:
             self.rest_height = float(state.cube[2])
-        flags = np.asarray(demo_data.phase_flags(state, self.rest_height), bool)
+        flags = np.asarray(demo_task.phase_flags(state, self.rest_height), bool)
         before = (self.ever.copy(), self.now.copy())
         self.ever |= flags
         self.now = flags
@@ -106,14 +106,14 @@ class OutcomeTracker:
 
     def outcome(self) -> dict[str, bool]:
         """Per phase: held at some step; ``transferred``: holds now."""
-        result = dict(zip(demo_data.PHASES, map(bool, self.ever)))
-        result["transferred"] = bool(self.now[demo_data.PHASES.index("transferred")])
+        result = dict(zip(demo_task.PHASES, map(bool, self.ever)))
+        result["transferred"] = bool(self.now[demo_task.PHASES.index("transferred")])
         return result
 
     def to_json(self) -> str:
         """The message's JSON (see the module docstring)."""
         return json.dumps({"seed": self.seed, "sim_time_s": round(self.sim_time_s, 3), "steps": self.steps,
-                           **self.outcome(), "now": dict(zip(demo_data.PHASES, map(bool, self.now)))})
+                           **self.outcome(), "now": dict(zip(demo_task.PHASES, map(bool, self.now)))})
 
 
 class AlohaScene:
@@ -307,7 +307,7 @@ class SimRobot(Node):
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
         self._outcome_pub = self.create_publisher(String, OUTCOME_TOPIC, latched)
         self.outcome = OutcomeTracker(seed)
-        self._geoms = demo_data._Geoms(self.scene.model)
+        self._geoms = demo_task.SceneGeoms(self.scene.model)
         self.create_subscription(ActionChunk, chunk_topic, self._on_chunk, 10)
 
         self._chunk_lock = threading.Lock()     # guards self._executor (the chunks received)
@@ -371,7 +371,7 @@ class SimRobot(Node):
                     self._executor.clear()  # do not drive straight back into the same state
                 self.get_logger().warning(f"the physics went unstable: scene reset to the start pose "
                                           f"({self.scene.resets} resets so far)", throttle_duration_sec=5.0)
-            state = self.scene.read(lambda model, data: demo_data.scene_state(model, data, self._geoms))
+            state = self.scene.read(lambda model, data: demo_task.scene_state(model, data, self._geoms))
             now = time.monotonic()
             if self.outcome.update(state, self.scene.sim_time) or now >= next_outcome:
                 message = String(data=self.outcome.to_json())

@@ -21,7 +21,7 @@ import torch
 from oxygen_ros.assets import DEMO_CAMERA_SLOTS
 from oxygen_ros.models.config import NormStats
 from oxygen_ros.models.processing import crop_image, resize_with_pad
-from oxygen_ros.tools.demo_data import CAMERAS, read_episode
+from oxygen_ros.demo_task import CAMERAS, read_episode
 
 # The demo robot's cameras → the model's camera slots (openpi's ALOHA image keys), as the demo and the evaluation use.
 CAMERA_SLOTS = DEMO_CAMERA_SLOTS
@@ -112,7 +112,7 @@ def load_samples(files: list[Path], image_size: int, horizon: int, resize: str =
             (:func:`oxygen_ros.models.processing.crop_image`, as the node crops); default none.
         labels: which subtask labels the samples carry: ``script`` (the expert's script, by its clock and the
             nominal step nearest the state) or ``state`` (the evaluation's ground-truth rule on the recorded
-            state, ``/subtask_state``: :func:`oxygen_ros.tools.demo_data.state_subtask`).
+            state, ``/subtask_state``: :func:`oxygen_ros.demo_task.state_subtask`).
 
     Raises:
         ValueError: an unknown camera or ``labels``.

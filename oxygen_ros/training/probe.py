@@ -34,14 +34,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oxygen_ros.assets import demo_policy_dir, policy_cameras, read_policy_file
+from oxygen_ros.assets import demo_policy_dir, norm_stats_file, policy_cameras, read_policy_file
 from oxygen_ros.models import get_preset, load_model
 from oxygen_ros.models.checkpoint import checkpoint_overrides
 from oxygen_ros.models.config import load_norm_stats
 from oxygen_ros.models.reference import reference_actions
-from oxygen_ros.tools.demo_data import JOINTS, generate_episode, write_episode
+from oxygen_ros.demo_task import JOINTS, write_episode
+from oxygen_ros.tools.demo_data import generate_episode
 from oxygen_ros.training.data import load_samples
-from oxygen_ros.training.train import Batches, build_processor, greedy_text, norm_stats_file
+from oxygen_ros.training.train import Batches, build_processor, greedy_text
 
 # The right arm's first three joints in JOINTS order (gym-aloha: the left arm's 7 values, then the right's):
 # where the arm goes is mostly these.

@@ -51,7 +51,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from oxygen_ros.assets import in_slot_order, read_policy_file
+from oxygen_ros.assets import NORM_STATS_ASSET, in_slot_order, norm_stats_file, read_policy_file
+# ON_TABLE_CAPTION starts the captions of a cube lying untouched on the table: there it is still at its start
+# position, the location target's ground truth.
+from oxygen_ros.demo_task import DT, INSTRUCTION, JOINTS, ON_TABLE_CAPTION, RENDER_RATE_HZ, SUBTASKS
 from oxygen_ros.engine.model_io import ProcessorIO
 from oxygen_ros.models import RobotConfig, get_preset, load_model
 from oxygen_ros.models.reference import joint_forward, reference_actions, reference_generate
@@ -62,9 +65,6 @@ from oxygen_ros.models.gemma import AdaRMSNorm, RMSNorm
 from oxygen_ros.models.processing import Processor, pad_to
 from oxygen_ros.models.tokenizer import load_tokenizer
 from oxygen_ros.models.vla import VLAModel
-# ON_TABLE_CAPTION starts the captions of a cube lying untouched on the table: there it is still at its start
-# position, the location target's ground truth.
-from oxygen_ros.tools.demo_data import DT, INSTRUCTION, JOINTS, ON_TABLE_CAPTION, RENDER_RATE_HZ, SUBTASKS
 from oxygen_ros.training.data import (CAMERA_SLOTS, SUBTASK_LABELS, DataMismatchError, DemoSamples,
                                       compute_norm_stats, episode_files, load_samples)
 
@@ -76,7 +76,6 @@ APPROACH_SUBTASKS = (0, 1)
 # The action prompt with the latest subtask (π0.5's low-level inference on the high-level output), used
 # for a fraction --subtask-in-action-prompt of the action samples; {subtask} is filled in here.
 ACTION_SUBTASK_PROMPT = "Task: {instruction}, Subtask: {subtask}, State: {state};\nAction: "
-NORM_STATS_ASSET = "aloha_sim"
 
 
 @dataclasses.dataclass
@@ -735,12 +734,6 @@ def _policy_record(checkpoint: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return policy if isinstance(policy, dict) else {}
-
-
-def norm_stats_file(checkpoint: str | Path) -> Path:
-    """Where a demo checkpoint keeps its normalisation statistics: ``assets/aloha_sim/norm_stats.json`` (openpi's
-    layout, found by :func:`oxygen_ros.models.conventions.find_norm_stats`)."""
-    return Path(checkpoint) / "assets" / NORM_STATS_ASSET / "norm_stats.json"
 
 
 def _json_value(value):
