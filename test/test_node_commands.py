@@ -176,14 +176,14 @@ def test_goals_with_a_malformed_template_are_rejected_and_never_cost_a_cycle(har
     the engine's unit of failure is the request, never the control cycle."""
     from action_msgs.msg import GoalStatus
 
-    start, failed = len(harness.chunks), harness.node.failed_cycles()
+    start, failed = harness.count("chunk"), harness.node.failed_cycles()
     for template in ("Describe {instruction} in {language}", "{instruction} {}", "{instruction} {"):
         assert asker.send(task="speech", prompt_template=template)[0] is None
     handle, _ = asker.send(task="speech", instruction="what do you see?", prompt_template="Q: {instruction}\nA:")
     assert handle is not None
     assert asker.result(handle).status == GoalStatus.STATUS_SUCCEEDED
     assert asker.send(task="speech", prompt_template="Describe {instruction} in {language}")[0] is None
-    assert harness.chunks_flow(timeout=30.0) and len(harness.chunks) > start
+    assert harness.chunks_flow(timeout=30.0) and harness.count("chunk") > start
     assert harness.node.failed_cycles() == failed
 
 

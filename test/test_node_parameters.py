@@ -50,6 +50,31 @@ def test_allow_random_weights_lets_a_full_preset_pass_the_check(ros_context):
         node.destroy_node()
 
 
+def test_settings_come_from_a_plain_mapping_as_from_the_node(ros_context):
+    """``settings_from_values`` builds the node's settings from a dict (no node, no stand-in): the names it
+    lacks take their declared defaults, and the result equals what the node reads from the same values."""
+    from oxygen_ros.node.oxygen_node import OxygenNode
+    from oxygen_ros.node.parameters import default_value, read_settings, settings_from_values
+
+    overrides = tiny_parameters(autostart=False)
+    values = {p.name: p.value for p in overrides}
+    logged = []
+    settings = settings_from_values(values, logged.append)
+    assert settings.preset == "pi05_tiny" and settings.joint_names == tuple(values["joint_names"])
+    assert "joint_states_reliability" not in values       # a name not given takes its declared default
+    assert settings.joint_states_reliability == default_value("joint_states_reliability")
+    assert len(logged) == 1 and logged[0].startswith("conventions ")
+    node = OxygenNode(context=ros_context, parameter_overrides=overrides)
+    try:
+        assert read_settings(node) == settings
+    finally:
+        node.destroy_node()
+    with pytest.raises(ValueError, match="camera_topic"):
+        settings_from_values(dict(values, camera_topic=["/cam"]))     # a misspelt name is not ignored
+    with pytest.raises(ValueError, match="parameter joint_names"):
+        settings_from_values(dict(values, joint_names=[]))
+
+
 def test_unknown_camera_slot_fails_listing_the_valid_slots(ros_context):
     node, ok = _configure(ros_context, camera_slots=["foo_rgb", "left_wrist_0_rgb"])
     try:

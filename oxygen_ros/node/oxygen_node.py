@@ -1,16 +1,21 @@
 """``oxygen_node``: the managed (lifecycle) ROS 2 node that runs a π0.5 / π0 VLA with the unified
-KV-cache engine.
+KV-cache engine (docs/node.md). One job per class:
 
-Lifecycle:
-    configure   reads the parameters, loads the model, builds the engine (allocates the KV pool),
-                creates publishers and subscriptions; any failure returns FAILURE with the reason logged
-                and leaves nothing loaded.
-    activate    enables the lifecycle publishers and starts the control-cycle thread.
-    deactivate  stops the thread, cancels every language request in flight and publishes its final
-                Speech (STATUS_CANCELLED); no KV page stays held.
-    cleanup     frees the engine, the model and every ROS entity created by configure.
-    shutdown    from any state: what deactivate and cleanup do.
-With ``autostart`` (default true) the node drives configure → activate itself.
+    node/lifecycle.py        ManagedNode: the transitions and their hooks, autostart, the parameter lock
+    node/topics.py           TopicBridge: publishers, subscriptions with their QoS and callbacks, timers
+                             (the topic table is its module docstring)
+    node/control_cycle.py    ControlCycle: the control-cycle thread
+    node/action_output.py    ActionOutput: one decision per action chunk (publish, clamp, withhold, why)
+    node/language_output.py  LanguageOutput: ~/speech, ~/speech_text, ~/memory
+    this module              OxygenNode: configure (settings, engine, warm-up), activation, time, status
+
+Lifecycle: configure reads the parameters, loads the model, builds the engine (allocates the KV pool) and
+creates publishers and subscriptions; any failure returns FAILURE with the reason logged and leaves nothing
+loaded. activate enables the lifecycle publishers and starts the control-cycle thread. deactivate stops the
+thread, cancels every language request in flight and publishes its final Speech (STATUS_CANCELLED); no KV
+page stays held. cleanup frees the engine, the model and every ROS entity created by configure; shutdown,
+from any state, does what deactivate and cleanup do. With ``autostart`` (default true) the node drives
+configure → activate itself.
 
 Threads: subscription callbacks (executor) only convert and store the latest inputs; one control-cycle
 thread runs the engine at ``control_rate_hz`` (wall clock), and publishes the action chunk as soon as it
@@ -21,127 +26,50 @@ in a callback group of their own, and so are the ask / command services (oxygen_
 spinning thread (oxygen_ros/node/executor.py), so they answer while configure loads the model (a configure-time
 parameter is then refused with the reason, a dynamic one accepted).
 
-Topics (relative names resolve in the node's namespace; ``~`` is the node's private namespace):
-    in   camera_topics[i]          sensor_msgs/Image or CompressedImage, sensor-data QoS (best effort,
-                                   depth 1; reliability per camera_reliability)
-    in   instruction_topic         std_msgs/String, reliable + volatile, depth 10 (every publisher's live
-                                   messages); plus reliable + transient local, depth 1, only while no
-                                   instruction has arrived and a transient-local publisher offers one
-    in   joint_states_topic        sensor_msgs/JointState, sensor-data QoS
-    in   robot_description         std_msgs/String (URDF), reliable + transient local, depth 1; only with
-                                   joint_limits.from_robot_description
-    out  ~/action_chunk            oxygen_ros/ActionChunk, reliable, depth 10, once per control cycle
-    out  ~/joint_trajectory        trajectory_msgs/JointTrajectory (publish_trajectory), reliable, depth 1
-    out  ~/speech                  oxygen_ros/Speech partials and finals, reliable, depth 100
-    out  ~/speech_text             std_msgs/String: the final text of completed utterances that have something
-                                   to say (the others are withheld and counted; with speech.publish_on_change
-                                   only a text that differs from the last one sent), reliable + transient
-                                   local, depth 10 (a late transient-local subscriber gets the last texts)
-    out  ~/memory                  oxygen_ros/MemoryEntry, reliable, depth 10
-    out  ~/status                  oxygen_ros/EngineStatus, reliable, depth 10, at status_rate_hz
-    out  /diagnostics              diagnostic_msgs/DiagnosticArray, reliable, depth 10, at status_rate_hz
-
-Every subscription and publisher counts incompatible-QoS events (reported in ~/status and /diagnostics).
 Another publisher of ~/action_chunk or ~/joint_trajectory (a duplicate node) is looked for on the graph at
 activate and every second (oxygen_ros/node/command_conflicts.py): refused or warned per command_conflict_policy.
-What leaves the node is checked first (oxygen_ros/node/output_checks.py): non-finite chunks and memory
-embeddings are withheld, joint limits clamp or reject, expired outputs fall back or are withheld. Time
-(oxygen_ros/node/time_checks.py): backwards jumps of the node clock or of camera stamps are counted and
+Time (oxygen_ros/node/time_checks.py): backwards jumps of the node clock or of camera stamps are counted and
 restart staleness, time triggers and waiting requests; nothing runs before the node clock starts.
-
-Services and actions (oxygen_ros/node/commands.py):
-    ~/ask                          oxygen_ros/action/Ask: one language output on request (feedback, cancel)
-    ~/pause_actions, ~/resume_actions  oxygen_ros/srv/SwitchActions: withhold / restore the action outputs
-    ~/set_instruction              oxygen_ros/srv/SetInstruction: set the instruction, with an answer
+Services and actions (oxygen_ros/node/commands.py): ~/ask (oxygen_ros/action/Ask: one language output on
+request), ~/pause_actions and ~/resume_actions (withhold / restore the action outputs), ~/set_instruction.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Any, Mapping
 
 import numpy as np
-import rclpy
 from builtin_interfaces.msg import Time
-from diagnostic_msgs.msg import DiagnosticArray, KeyValue
-from oxygen_ros.msg import ActionChunk as ActionChunkMsg
-from oxygen_ros.msg import EngineStatus, MemoryEntry, Speech
-from rcl_interfaces.msg import SetParametersResult
-from rclpy.clock import Clock, ClockType
-from rclpy.event_handler import PublisherEventCallbacks, SubscriptionEventCallbacks
-from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
-from rclpy.qos import (DurabilityPolicy, HistoryPolicy, QoSPolicyKind, QoSProfile, ReliabilityPolicy,
-                       qos_profile_sensor_data)
-from sensor_msgs.msg import CompressedImage, Image, JointState
-from std_msgs.msg import String
-from trajectory_msgs.msg import JointTrajectory
+from diagnostic_msgs.msg import KeyValue
 
-from oxygen_ros.engine import ActionChunk, Engine, RequestStatus
-from oxygen_ros.engine.detokenizer import is_speakable
-from oxygen_ros.node import conversions
-from oxygen_ros.node.command_conflicts import GRAPH_POLL_S, CommandConflicts
+from oxygen_ros.engine import ActionChunk
+from oxygen_ros.engine.engine import RobotEngine
+from oxygen_ros.node.action_output import ActionOutput
+from oxygen_ros.node.command_conflicts import CommandConflicts
+from oxygen_ros.node.control_cycle import ControlCycle, output_tag
 from oxygen_ros.node.commands import Commands
-from oxygen_ros.node.diagnostics import (FrequencyStatus, StatusTracker, diagnostic_array, engine_status_msg,
-                                         inactive_topic_status)
-from oxygen_ros.node.image_conversion import ImageConversionError, compressed_to_rgb, image_to_rgb
-from oxygen_ros.node.inputs import DropCounter, Frame, InputError, InputStore, is_blank, is_zero, stamp_seconds
+from oxygen_ros.node.diagnostics import StatusTracker, diagnostic_array, engine_status_msg, inactive_topic_status
+from oxygen_ros.node.inputs import DropCounter, InputStore, is_blank
+from oxygen_ros.node.language_output import LanguageOutput
+from oxygen_ros.node.lifecycle import ManagedNode
 from oxygen_ros.node.model_loading import build_engine, warm_up
-from oxygen_ros.node.output_checks import all_finite, expired_by, limits_from_urdf
-from oxygen_ros.node.parameters import (CameraSettings, NodeSettings, check_dynamic_change, declare_parameters,
-                                        read_settings)
-from oxygen_ros.node.time_checks import ClockWatch, StampWatch, clock_started
+from oxygen_ros.node.output_checks import all_finite
+from oxygen_ros.node.parameters import (NodeSettings, check_dynamic_change, declare_parameters, parameter_values,
+                                        settings_from_values)
+from oxygen_ros.node.time_checks import ClockWatch, StampWatch
+from oxygen_ros.node.topics import TopicBridge
 
-# Instruction: every publisher's live messages arrive on a volatile subscription (compatible with volatile
-# and transient-local publishers alike). A transient-local one is added only while no instruction has
-# arrived and a transient-local publisher is on the graph, to get its latched message (a volatile
-# publisher would see it as incompatible, so it does not stay).
-_INSTRUCTION_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=10, reliability=ReliabilityPolicy.RELIABLE,
-                              durability=DurabilityPolicy.VOLATILE)
-_LATCHED_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1, reliability=ReliabilityPolicy.RELIABLE,
-                          durability=DurabilityPolicy.TRANSIENT_LOCAL)
-_GRAPH_POLL_S = 1.0   # how often the graph is checked for a latched instruction on offer [s]
-# Skip reasons that are the expected wait before the first observation since configure (logged at INFO then).
-_STARTUP_SKIPS = ("clock_not_started", "no_joint_limits", "no_observation")
-# Lifecycle state queries and the parameter services: with the executable's executor (transitions on a worker
-# thread, oxygen_ros/node/executor.py) or a multi-threaded one they answer while a transition runs (configure
-# loads the model). Transitions, timers and subscriptions stay in the default group,
-# one at a time, as with a single-threaded executor. A parameter change and configure's reading of the
-# parameters exclude each other through the node's parameter lock (OxygenNode.set_parameters_atomically), so a
-# change is either read by that configure or judged in the state "configuring" (configure-time parameters
-# refused with the reason, dynamic ones accepted).
-_QUERY_SERVICES = ("get_state", "get_available_states", "get_available_transitions", "get_transition_graph",
-                   "describe_parameters", "get_parameters", "get_parameter_types", "list_parameters",
-                   "set_parameters", "set_parameters_atomically")
-
-
-@dataclass(frozen=True)
-class _ObservationTag:
-    """The node's :attr:`Observation.tag`, handed back by the engine on every output of the observation:
-    what those outputs copy (its header stamp, instruction and cameras used)."""
-
-    stamp: Time
-    instruction: str
-    camera_slots: tuple[str, ...]
-
-
-# The tag of outputs no observation started (an asked request cancelled before any cycle took it).
-_NO_OBSERVATION = _ObservationTag(Time(), "", ())
-
-
-
-class OxygenNode(LifecycleNode):
+class OxygenNode(ManagedNode):
     """The oxygen_ros lifecycle node (see the module docstring for lifecycle, threads and topics).
 
     Args:
         node_name: the node's name (default ``oxygen_node``).
-        engine_builder: builds the engine from the configure step's settings (default
-            :func:`oxygen_ros.node.model_loading.build_engine`: load the model, build an engine); the
-            fleet node (``oxygen_ros/node/fleet_node.py``) gives each robot's node a client of its shared
-            engine instead. Raises as that function.
+        engine_builder: builds the engine (a :class:`~oxygen_ros.engine.engine.RobotEngine`) from the
+            configure step's settings (default :func:`oxygen_ros.node.model_loading.build_engine`: load the
+            model, build an engine); the fleet node (``oxygen_ros/node/fleet_node.py``) gives each robot's
+            node a client of its shared engine instead. Raises as that function.
         **kwargs: forwarded to :class:`rclpy.lifecycle.LifecycleNode` (``context``, ``namespace``,
             ``parameter_overrides``, ...), so several nodes can share one process and executor.
 
@@ -152,40 +80,22 @@ class OxygenNode(LifecycleNode):
     def __init__(self, node_name: str = "oxygen_node", engine_builder=None, **kwargs):
         super().__init__(node_name, **kwargs)
         self._engine_builder = engine_builder
-        self._query_group = MutuallyExclusiveCallbackGroup()
-        for service in self.services:
-            if service.srv_name.rsplit("/", 1)[-1] in _QUERY_SERVICES:
-                service.callback_group = self._query_group
-                self._query_group.add_entity(service)
-        self._lifecycle_state = "unconfigured"
-        # held while a parameter change is judged and stored, and while configure enters "configuring" and
-        # reads the parameters (see _QUERY_SERVICES)
-        self._parameter_lock = threading.RLock()
         self._settings: NodeSettings | None = None
-        self._engine: Engine | None = None
+        self._engine: RobotEngine | None = None
         self._inputs: InputStore | None = None
+        self._topics: TopicBridge | None = None
+        self._actions: ActionOutput | None = None
+        self._language: LanguageOutput | None = None
         self._drops = DropCounter(self.get_logger().warning)
         # drops since activation per input kind (EngineStatus dropped_frames / _joint_states / _instructions)
         self._dropped_by_input = {"frames": 0, "joint_states": 0, "instructions": 0}
         self._dropped_lock = threading.Lock()
         self._skips = DropCounter(self.get_logger().warning, what="skipped cycle")
         self._status = StatusTracker()
-        # ROS entities made by configure, destroyed by cleanup
-        self._owned_publishers: list = []
-        self._owned_subscriptions: list = []
-        self._owned_timers: list = []
-        self._cycle_thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._cycle: ControlCycle | None = None
         self._active = False
-        self._seq = 0
         self._session = ""
-        self._speech_text_withheld = 0      # completed utterances without speakable text, since activation
-        self._speech_text_last: dict[str, str] = {}   # per task: the text last published on ~/speech_text
         self._cycle_error_warner = DropCounter(self._log_error)
-        self._configure_error: str | None = None
-        self._autostart_failed: str | None = None
-        self._autostart_cancelled = threading.Event()   # set by a stop signal: no further autostart transition
-        self._autostart_ended: list = []   # callbacks of when_autostarted; None once autostart has ended
         # output checks and time (see output_checks.py, time_checks.py)
         self._withheld = DropCounter(self._log_error, what="output withheld")
         self._output_warner = DropCounter(self.get_logger().warning, what="output changed")
@@ -195,20 +105,9 @@ class OxygenNode(LifecycleNode):
         self._clock_watch = ClockWatch(self._read_clock, self._on_clock_jump)
         self._stamps = StampWatch()
         self._time_restart = threading.Event()
-        self._last_cycle_clock: tuple[float, int] | None = None
-        self._expiry_warned = False
-        self._joint_limits = None
-        self._robot_description_error: str | None = None
-        self._instruction_received = False
-        self._latched_instruction_sub = None
-        self._trajectory_pub = None
-        self._joint_positions: dict[str, float] | None = None   # latest JointState while active, by name
-        # diagnostics' period figures: inputs stored per input since the last publication, drops reported
-        self._input_counts: dict[str, int] = {}
+        # diagnostics' period figures: drops reported, when the status was last published
         self._drops_reported: dict[str, int] = {}
         self._status_published_at = time.perf_counter()
-        # per input topic (cameras by slot, "joint_states"): message frequency, its topic and whether required
-        self._frequencies: dict[str, tuple[FrequencyStatus, str, bool]] = {}
         # Raises InvalidParameterTypeException / InvalidParameterValueException for a value of the wrong
         # type or out of range (overrides, a params file): rclpy checks them at declaration.
         # ~/ask, ~/pause_actions, ~/resume_actions, ~/set_instruction (oxygen_ros/node/commands.py); before
@@ -216,24 +115,17 @@ class OxygenNode(LifecycleNode):
         self._commands = Commands(self)
         self._conflicts = CommandConflicts(self)    # other publishers of ~/action_chunk, ~/joint_trajectory
         declare_parameters(self)
-        self.add_on_set_parameters_callback(self._check_parameter_change)
-        if self.get_parameter("autostart").value:
-            self._autostart_timer = self.create_timer(0.0, self._autostart)
+        self._start_up(self.get_parameter("autostart").value)
 
     def _log_error(self, message: str) -> None:
         # Error-level counters log from this line: rclpy refuses two severities from one call site, and
         # DropCounter's warning-level counters log from its own.
         self.get_logger().error(message)
 
-    # ---- lifecycle --------------------------------------------------------------------------
+    # ---- what tests, tools and the fleet read -------------------------------------------------
 
     @property
-    def lifecycle_state(self) -> str:
-        """``unconfigured``, ``inactive``, ``active`` or ``finalized``."""
-        return self._lifecycle_state
-
-    @property
-    def engine(self) -> Engine | None:
+    def engine(self) -> RobotEngine | None:
         """The engine while configured (tests read its pool occupancy), else None."""
         return self._engine
 
@@ -243,12 +135,6 @@ class OxygenNode(LifecycleNode):
         with self._dropped_lock:
             return dict(self._dropped_by_input)
 
-    def _drop_input(self, kind: str, reason: str, message: str) -> None:
-        """Count and log one dropped input of ``kind`` (a key of :meth:`dropped_by_input`) for ``reason``."""
-        with self._dropped_lock:
-            self._dropped_by_input[kind] += 1
-        self._drops.drop(reason, message)
-
     def input_drops(self) -> dict[str, int]:
         """Dropped inputs by reason since activation (``unsupported_encoding``, ``joint_state_nan`` ...)."""
         return self._drops.counts()
@@ -256,7 +142,7 @@ class OxygenNode(LifecycleNode):
     def speech_text_withheld(self) -> int:
         """Completed utterances since activation whose text was not published on ``~/speech_text``
         because it had nothing to say (empty, whitespace, control or replacement characters only)."""
-        return self._speech_text_withheld
+        return 0 if self._language is None else self._language.speech_text_withheld
 
     def skipped_cycles(self) -> int:
         """Control cycles since activation that had no usable observation (no chunk published)."""
@@ -292,7 +178,8 @@ class OxygenNode(LifecycleNode):
     def joint_limits(self):
         """The joint position limits in force (:class:`oxygen_ros.node.output_checks.JointLimits`, from the
         parameters or robot_description), or None."""
-        return self._joint_limits
+        topics = self._topics
+        return None if topics is None else topics.joint_limits
 
     @property
     def command_conflicts(self) -> CommandConflicts:
@@ -313,76 +200,23 @@ class OxygenNode(LifecycleNode):
     def output_stamp(event) -> Time:
         """The header stamp an output of the engine carries: its observation's (zero when no observation
         started it)."""
-        return _tag(event).stamp
+        return output_tag(event).stamp
 
-    @property
-    def configure_error(self) -> str | None:
-        """Why the last configure failed (as logged), or None after a successful one."""
-        return self._configure_error
+    # ---- lifecycle hooks (lifecycle.py runs the transitions) ----------------------------------
 
-    @property
-    def autostart_failed(self) -> str | None:
-        """``configure`` or ``activate`` when autostart's transition failed (the node stays usable, e.g. by
-        a lifecycle manager; the ``oxygen_node`` executable exits non-zero), else None."""
-        return self._autostart_failed
+    def _read_parameters(self) -> Mapping[str, Any]:
+        return parameter_values(self)
 
-    def runs_long(self, entity) -> bool:
-        """Whether ``entity``'s callback may run long: the ``change_state`` service and the autostart timer
-        (lifecycle transitions: configure loads the model). The ``oxygen_node`` executable runs these on a
-        worker thread (oxygen_ros/node/executor.py)."""
-        if entity is getattr(self, "_autostart_timer", None):
-            return True
-        name = getattr(entity, "srv_name", None)
-        return name is not None and name.rsplit("/", 1)[-1] == "change_state" and entity in self.services
+    def _refuse_change(self, parameters, lifecycle_state: str) -> str | None:
+        return check_dynamic_change(parameters, lifecycle_state)
 
-    def cancel_autostart(self) -> None:
-        """Take no further autostart transition (a stop signal arrived): a configure in progress ends, but
-        the node is not activated after it, so nothing is published after the signal. Any thread."""
-        self._autostart_cancelled.set()
-
-    def when_autostarted(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` once autostart's transitions have ended (activated, failed: see
-        :attr:`autostart_failed` and :attr:`configure_error`, or stopped by :meth:`cancel_autostart`), on the
-        thread that ran them; at once when they have ended already or the node does not autostart."""
-        with self._parameter_lock:
-            pending = self._autostart_ended is not None and getattr(self, "_autostart_timer", None) is not None
-            if pending:
-                self._autostart_ended.append(callback)
-        if not pending:
-            callback()
-
-    def _autostart(self) -> None:
-        try:
-            self._autostart_transitions()
-        finally:
-            with self._parameter_lock:
-                callbacks, self._autostart_ended = self._autostart_ended, None
-            for callback in callbacks:
-                callback()
-
-    def _autostart_transitions(self) -> None:
-        self.destroy_timer(self._autostart_timer)
-        for transition, trigger in (("configure", self.trigger_configure), ("activate", self.trigger_activate)):
-            if self._autostart_cancelled.is_set():
-                self.get_logger().info(f"autostart: stopping before {transition}; the node stays "
-                                       f"{self._lifecycle_state}")
-                return
-            if trigger() != TransitionCallbackReturn.SUCCESS:
-                self._autostart_failed = transition
-                self.get_logger().error(f"autostart: {transition} failed (reason above); the node stays "
-                                        f"{self._lifecycle_state}")
-                return
-
-    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
-        """Load the model and the engine, run the warm-up cycle, create the ROS entities; FAILURE (reason
-        logged) on any error, including a warm-up action chunk with a non-finite value."""
+    def _load(self, parameters: Mapping[str, Any]):
+        """Configure: the settings, the engine and its warm-up cycle; raises on any error, including a warm-up
+        action chunk with a non-finite value (the engine is closed first)."""
         start = time.perf_counter()
-        engine = None
+        settings = settings_from_values(parameters, self.get_logger().info)
+        engine = (self._engine_builder or build_engine)(settings)
         try:
-            with self._parameter_lock:    # no parameter change between the state and the values read
-                self._lifecycle_state = "configuring"     # configure-time parameters are refused from here on
-                settings = read_settings(self)
-            engine = (self._engine_builder or build_engine)(settings)
             warm_chunks: list[ActionChunk] = []
             warm_s = warm_up(engine, settings, warm_chunks.append)
             bad = [int(np.sum(~np.isfinite(chunk.actions))) for chunk in warm_chunks if not all_finite(chunk.actions)]
@@ -390,105 +224,74 @@ class OxygenNode(LifecycleNode):
                 raise ValueError(f"the warm-up action chunk has {bad[0]} non-finite values of "
                                  f"{warm_chunks[0].actions.size}: the checkpoint or the normalisation "
                                  "statistics produce NaN/inf actions")
-        except Exception as error:  # any load failure: report it, keep nothing
-            if engine is not None:
-                engine.close()
-            self._configure_error = f"{type(error).__name__}: {error}"
-            self.get_logger().error(f"configure failed: {self._configure_error}")
-            self._lifecycle_state = "unconfigured"
-            return TransitionCallbackReturn.FAILURE
-        self._configure_error = None
+        except Exception:
+            engine.close()
+            raise
+        return settings, engine, start, warm_s
+
+    def _setup(self, loaded) -> None:
+        """Configure, once loaded: the input store, the topics and the outputs."""
+        settings, engine, start, warm_s = loaded
         self._settings, self._engine = settings, engine
         self._inputs = InputStore(settings.cameras, settings.joint_names, settings.default_instruction)
-        self._seq = 0
         self._session = f"{int(time.time() * 1e3):x}"
-        self._joint_limits = settings.joint_limits
-        self._robot_description_error = None
-        self._instruction_received = False
         self._qos_events.reset()
         self._qos_reported = 0
         self._stamps.clear()
-        self._create_entities(settings)
-        self._lifecycle_state = "inactive"
+        self._topics = TopicBridge(self, settings, self._inputs, self, self._stamps, self._qos_events, self._withheld,
+                                   self._publish_status, self._conflicts, self._conflict_policy)
+        self._actions = ActionOutput(self, settings, self._topics, self._commands, self._conflicts,
+                                     lambda: self._topics.joint_limits, self._now, self._status, self._withheld,
+                                     self._output_warner, self._stamps)
+        self._language = LanguageOutput(self, self._topics, self._commands, output_tag, self.utterance_id, self._status,
+                                        self._withheld)
+        self._cycle = ControlCycle(self, settings, engine, self._inputs, self._topics, self._actions, self._language,
+                                   self._status, self._skips, self._cycle_error_warner, self._now, self._time_restart,
+                                   self._cancel_language_requests)
         pool = engine.pool
         self.get_logger().info(
             f"configured {settings.model_id} in {time.perf_counter() - start:.1f} s (warm-up cycle "
             f"{warm_s:.2f} s): KV pool "
             f"{pool.num_blocks} pages x {pool.bytes_per_block} B, cameras "
             f"{[c.slot for c in settings.cameras]}, control rate {settings.control_rate_hz:g} Hz")
-        return TransitionCallbackReturn.SUCCESS
 
-    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        """Enable the publishers and start the control-cycle thread."""
-        policy = self.get_parameter("command_conflict_policy").value
+    def _conflict_policy(self) -> str:
+        return self.get_parameter("command_conflict_policy").value
+
+    def _may_activate(self) -> bool:
+        policy = self._conflict_policy()
         conflict = self._conflicts.check(policy)
         if conflict is not None and policy == "refuse":
             self.get_logger().error(f"activate refused (command_conflict_policy refuse): another publisher of the "
                                     f"command topics: {conflict}")
-            return TransitionCallbackReturn.FAILURE
-        result = super().on_activate(state)
-        if result != TransitionCallbackReturn.SUCCESS:
-            return result
+            return False
+        return True
+
+    def _start(self) -> None:
+        """Activate: counters from zero, then the control-cycle thread."""
         self._inputs.clear()
         self._drops.reset()
         with self._dropped_lock:
             self._dropped_by_input = dict.fromkeys(self._dropped_by_input, 0)
         self._skips.reset()
-        self._speech_text_withheld = 0
-        self._speech_text_last.clear()
+        self._language.reset()
         self._withheld.reset()
         self._output_warner.reset()
         self._time_warner.reset()
         self._status.reset()
         self._time_restart.clear()
-        self._last_cycle_clock = None
-        self._expiry_warned = False
-        self._joint_positions = None
-        self._input_counts = {}
+        self._actions.reset()
+        self._topics.clear()
         self._drops_reported = {}
         self._status_published_at = time.perf_counter()
-        for frequency, _, _ in self._frequencies.values():
-            frequency.clear()
-        self._stop.clear()
         self._active = True
-        self._cycle_thread = threading.Thread(target=self._run_cycles, name="oxygen_control_cycle", daemon=True)
-        self._cycle_thread.start()
-        self._lifecycle_state = "active"
-        self.get_logger().info("active")
-        return TransitionCallbackReturn.SUCCESS
+        self._cycle.start()
 
-    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        """Stop the cycle thread, cancel the language requests in flight (final Speech published), send the
-        controller's last command (``on_stop_command``)."""
+    def _stop(self) -> None:
         self.stop_acting()
-        self._lifecycle_state = "inactive"
-        self.get_logger().info("inactive")
-        return super().on_deactivate(state)
 
-    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
-        """Free the engine, the model and the ROS entities created by configure."""
+    def _teardown(self) -> None:
         self._release()
-        self._lifecycle_state = "unconfigured"
-        return TransitionCallbackReturn.SUCCESS
-
-    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
-        """From any state: stop, cancel what is in flight (published while still active), send the last
-        command, free all."""
-        self.stop_acting()
-        self._release()
-        self._lifecycle_state = "finalized"
-        return TransitionCallbackReturn.SUCCESS
-
-    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
-        """A transition raised: free everything and return to unconfigured."""
-        self.get_logger().error(f"error in transition from {state.label}: releasing the engine")
-        try:
-            self.stop_acting()      # publishers still active: final Speech and last command go out
-        except Exception as error:  # noqa: BLE001 - the release below must happen whatever failed here
-            self.get_logger().error(f"ending the requests in flight failed: {type(error).__name__}: {error}")
-        self._release()
-        self._lifecycle_state = "unconfigured"
-        return TransitionCallbackReturn.SUCCESS
 
     def stop_acting(self) -> bool:
         """When active: stop the control-cycle thread, end every language request in flight with exactly
@@ -503,37 +306,13 @@ class OxygenNode(LifecycleNode):
         return True
 
     def _send_stop_command(self) -> None:
-        """``on_stop_command: hold``: one JointTrajectory holding the latest JointState positions of the
-        trajectory joints (stamp 0: executed on receipt). Logged and not sent when there is nothing to
-        hold from (no JointState, or one without a trajectory joint)."""
-        if self.get_parameter("on_stop_command").value != "hold" or self._trajectory_pub is None:
-            return
-        settings, positions = self._settings, self._joint_positions
-        names = settings.trajectory_joint_names
-        missing = list(names) if positions is None else [name for name in names if name not in positions]
-        if missing:
-            self.get_logger().warning(f"on_stop_command hold: no hold trajectory sent, no JointState position of "
-                                      f"{missing} received while active")
-            return
-        self._trajectory_pub.publish(conversions.hold_trajectory_msg(
-            names, [positions[name] for name in names], settings.frame_id, settings.action_dt_s))
-        self.get_logger().info(f"on_stop_command hold: sent a JointTrajectory holding {list(names)}")
+        if self._actions is not None and self.get_parameter("on_stop_command").value == "hold":
+            self._actions.send_hold()
 
     def wait_for_final_messages(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` [s] until every reliable subscriber acknowledged the final Speech and the
         last command (before the process exits and DDS drops what it has not delivered); False on timeout."""
-        from rclpy.duration import Duration
-
-        publishers = [p for p in (getattr(self, "_speech_pub", None), self._trajectory_pub) if p is not None]
-        deadline = time.monotonic() + timeout_s
-        acked = True
-        for publisher in publishers:
-            left = max(0.0, deadline - time.monotonic())
-            try:
-                acked = publisher.wait_for_all_acked(Duration(nanoseconds=int(left * 1e9))) and acked
-            except Exception:  # noqa: BLE001 - a destroyed publisher or an RMW without the call
-                acked = False
-        return acked
+        return True if self._topics is None else self._topics.wait_for_final_messages(timeout_s)
 
     def release(self) -> None:
         """Stop the cycle thread and free the engine without publishing (process exit after a signal,
@@ -544,59 +323,30 @@ class OxygenNode(LifecycleNode):
         """Destroy the node now, with everything it created: stop the control-cycle thread and free the engine
         first (a cycle thread left running would still be inside torch when the interpreter tears down:
         ``terminate called without an active exception``), then the ``~/ask`` action server (a waitable, which
-        ``Node.destroy_node`` leaves), the node's own entities, and last the lifecycle state machine.
-
-        rclpy's ``LifecycleNode`` has no ``destroy_node`` of its own: its state machine keeps the rcl node
-        (and, when it is the context's last node, Fast DDS's participant) alive until the garbage collector
-        finalises it at an arbitrary moment, where destroying the participant can wait forever on a
-        participant-listener callback in flight. Destroying it here finalises the rcl node deterministically,
-        as soon as no executor wait still holds one of its entities. Idempotent."""
+        ``Node.destroy_node`` leaves), the node's own entities, and last the lifecycle state machine
+        (:meth:`ManagedNode.destroy_node`). Idempotent."""
         self._release()
         self._commands.destroy()
         super().destroy_node()
-        self._state_machine.destroy_when_not_in_use()
 
     def _release(self) -> None:
         self._stop_cycles()
         self._commands.end_goals("the node released its engine (cleanup, shutdown or exit)")
-        for timer in self._owned_timers:
-            self.destroy_timer(timer)
-        for subscription in self._owned_subscriptions:
-            self.destroy_subscription(subscription)
-        for publisher in self._owned_publishers:
-            self.destroy_lifecycle_publisher(publisher)
-        if self._owned_publishers:
-            self.destroy_publisher(self._diagnostics_pub)
-        self._owned_timers.clear()
-        self._owned_subscriptions.clear()
-        self._frequencies = {}
-        self._owned_publishers.clear()
-        self._latched_instruction_sub = None
-        self._trajectory_pub = None
+        if self._topics is not None:
+            self._topics.destroy()
+        self._topics = None
         if self._engine is not None:
             self._engine.close()
         self._engine = None
         self._settings = None
         self._inputs = None
+        self._cycle = None
 
     def _stop_cycles(self) -> None:
-        """Stop the control-cycle thread and wait until it has ended.
-
-        The cycle in progress finishes first (its decode steps end early: the language requests are
-        cancelled), so nothing it uses — publishers, engine — is destroyed under it. A cycle is
-        bounded (one engine cycle), so this waits without a deadline and logs every 5 s while it does.
-        """
+        """Stop the control-cycle thread and wait until it has ended (:meth:`ControlCycle.stop`)."""
         self._active = False
-        thread = self._cycle_thread
-        if thread is None:
-            return
-        self._stop.set()
-        self._cancel_language_requests()   # ends the decode steps of the cycle in progress early
-        thread.join(timeout=5.0)
-        while thread.is_alive():
-            self.get_logger().warning("waiting for the control cycle in progress to end")
-            thread.join(timeout=5.0)
-        self._cycle_thread = None
+        if self._cycle is not None:
+            self._cycle.stop()
 
     def _cancel_language_requests(self) -> None:
         if self._engine is None:
@@ -609,102 +359,36 @@ class OxygenNode(LifecycleNode):
         self._cancel_language_requests()
         events, _ = self._engine.flush()
         if publish:
-            self._publish_language(events)
+            self._language.publish(events)
         used = self._engine.pool.num_used
         if used:
             self.get_logger().error(f"{used} KV pages still held after cancelling every language request")
 
-    # ---- ROS entities -----------------------------------------------------------------------
+    # ---- inputs and time (the topic bridge's InputSink) ---------------------------------------
 
-    def _create_entities(self, settings: NodeSettings) -> None:
-        reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+    def receiving(self) -> bool:
+        """Whether camera frames and joint states are taken now (while active)."""
+        return self._active
 
-        def publisher(msg_type, topic: str, qos, lifecycle: bool = True):
-            events = PublisherEventCallbacks(
-                incompatible_qos=lambda info: self._on_incompatible_qos(info, "publisher", topic))
-            create = self.create_lifecycle_publisher if lifecycle else self.create_publisher
-            return create(msg_type, topic, qos, event_callbacks=events)
-
-        self._chunk_pub = publisher(ActionChunkMsg, "~/action_chunk", reliable)
-        self._trajectory_pub = publisher(JointTrajectory, "~/joint_trajectory", 1) \
-            if settings.publish_trajectory else None
-        self._speech_pub = publisher(Speech, "~/speech", 100)
-        # Latched: a subscriber that joins late and asks for transient local (a recorder, a TTS node
-        # started after the robot) still gets the last texts - with publish_on_change, the current subtask,
-        # which may be said once for a whole task phase. Volatile subscribers are served as before.
-        self._speech_text_pub = publisher(String, "~/speech_text", QoSProfile(
-            depth=10, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL))
-        self._memory_pub = publisher(MemoryEntry, "~/memory", reliable)
-        self._status_pub = publisher(EngineStatus, "~/status", reliable)
-        self._diagnostics_pub = publisher(DiagnosticArray, "/diagnostics", reliable, lifecycle=False)
-        self._owned_publishers += [p for p in (self._chunk_pub, self._trajectory_pub, self._speech_pub,
-                                               self._speech_text_pub, self._memory_pub, self._status_pub)
-                                   if p is not None]
-        for camera in settings.cameras:
-            qos = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=1,
-                             reliability=ReliabilityPolicy.RELIABLE if camera.reliability == "reliable"
-                             else ReliabilityPolicy.BEST_EFFORT,
-                             durability=DurabilityPolicy.VOLATILE)
-            msg_type = Image if camera.transport == "raw" else CompressedImage
-            self._subscribe(msg_type, camera.topic, lambda msg, camera=camera: self._on_image(msg, camera), qos)
-        self._frequencies = {camera.slot: (FrequencyStatus(), self.resolve_topic_name(camera.topic), camera.required)
-                             for camera in settings.cameras}
-        self._frequencies["joint_states"] = (FrequencyStatus(), self.resolve_topic_name(settings.joint_states_topic),
-                                             True)
-        self._subscribe(String, settings.instruction_topic, self._on_instruction, _INSTRUCTION_QOS)
-        joint_qos = qos_profile_sensor_data if settings.joint_states_reliability == "best_effort" else \
-            QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=5, reliability=ReliabilityPolicy.RELIABLE)
-        self._subscribe(JointState, settings.joint_states_topic, self._on_joint_state, joint_qos)
-        if settings.joint_limits_from_robot_description:
-            self._subscribe(String, "robot_description", self._on_robot_description, _LATCHED_QOS)
-        self._owned_timers.append(self.create_timer(1.0 / settings.status_rate_hz, self._publish_status))
-        self._conflicts.watch([self.resolve_topic_name(p.topic_name) for p in (self._chunk_pub, self._trajectory_pub)
-                               if p is not None])
-        self._owned_timers.append(self.create_timer(GRAPH_POLL_S, lambda: self._conflicts.check(
-            self.get_parameter("command_conflict_policy").value), clock=Clock(clock_type=ClockType.STEADY_TIME)))
-        # On the steady clock: the graph is polled even while a simulated /clock is paused or absent.
-        self._owned_timers.append(self.create_timer(_GRAPH_POLL_S, self._update_latched_instruction,
-                                                    clock=Clock(clock_type=ClockType.STEADY_TIME)))
-        self._update_latched_instruction()
-
-    def _subscribe(self, msg_type, topic: str, callback, qos: QoSProfile, ignored_policy: QoSPolicyKind | None = None):
-        """A subscription owned by the node whose incompatible-QoS events are counted (except those of
-        ``ignored_policy``)."""
-        events = SubscriptionEventCallbacks(
-            incompatible_qos=lambda info: self._on_incompatible_qos(info, "subscription", topic, ignored_policy))
-        subscription = self.create_subscription(msg_type, topic, callback, qos, event_callbacks=events)
-        self._owned_subscriptions.append(subscription)
-        return subscription
-
-    def _update_latched_instruction(self) -> None:
-        """Subscribe transient-local to the instruction while none has arrived and a transient-local
-        publisher offers one (its latched message then arrives); unsubscribe once one has arrived."""
-        settings = self._settings
-        if settings is None:
-            return
-        latched = self._latched_instruction_sub
-        if self._instruction_received:
-            if latched is not None:
-                self._owned_subscriptions.remove(latched)
-                self.destroy_subscription(latched)
-                self._latched_instruction_sub = None
-            return
-        if latched is None and any(info.qos_profile.durability == DurabilityPolicy.TRANSIENT_LOCAL
-                                   for info in self.get_publishers_info_by_topic(
-                                       self.resolve_topic_name(settings.instruction_topic))):
-            # A volatile publisher is incompatible with this one by design (the volatile subscription
-            # serves it and counts every other incompatibility on the topic), so it has no QoS event
-            # handler: rclpy's executor can still hold a destroyed subscription's event handler in its
-            # wait set and raise InvalidHandle ("cannot use Destroyable") when the subscription goes.
-            self._latched_instruction_sub = self.create_subscription(
-                String, settings.instruction_topic, self._on_latched_instruction, _LATCHED_QOS)
-            self._owned_subscriptions.append(self._latched_instruction_sub)
-
-    # ---- input callbacks (executor thread: convert and store only) ----------------------------
-
-    def _now(self) -> tuple[Time, float]:
+    def clock_now(self) -> tuple[Time, float]:
         """The node clock now (``Time``, seconds); every read checks for a backwards jump."""
         return self._clock_watch.now()
+
+    _now = clock_now
+
+    def drop_input(self, kind: str, reason: str, message: str) -> None:
+        """Count and log one dropped input of ``kind`` (a key of :meth:`dropped_by_input`) for ``reason``."""
+        with self._dropped_lock:
+            self._dropped_by_input[kind] += 1
+        self._drops.drop(reason, message)
+
+    def stamp_went_back(self, topic: str, previous_s: float, stamp_s: float) -> None:
+        """A camera's header stamps went back: time triggers and waiting requests restart (next cycle)."""
+        self._status.record_event("stamp_jumps", f"{topic}: {previous_s:.3f} s -> {stamp_s:.3f} s")
+        self._time_warner.drop("stamp_jump", f"{topic}: header stamps went back from {previous_s:.3f} s to "
+                               f"{stamp_s:.3f} s (a bag replayed in a loop?): time triggers and waiting requests "
+                               "restart from the new time")
+        self._time_restart.set()
 
     def _read_clock(self) -> tuple[Time, float]:
         now = self.get_clock().now()
@@ -723,97 +407,6 @@ class OxygenNode(LifecycleNode):
         self._stamps.clear()
         self._time_restart.set()
 
-    def _on_image(self, msg, camera: CameraSettings) -> None:
-        if not self._active:
-            return
-        self._tick(camera.slot)
-        try:
-            image = image_to_rgb(msg, camera.accept_mono16) if camera.transport == "raw" else compressed_to_rgb(msg)
-        except ImageConversionError as error:
-            self._drop_input("frames", error.reason, f"{camera.topic}: {error}")
-            return
-        now_msg, now_s = self._now()
-        if not clock_started(now_s):
-            self._drop_input("frames", "clock_not_started", f"{camera.topic}: frame received before the node clock "
-                             "started (use_sim_time and no /clock yet): its age cannot be measured")
-            return
-        if is_zero(msg.header.stamp):
-            stamp = now_msg
-        else:
-            stamp = msg.header.stamp
-            previous = self._stamps.observe(camera.slot, stamp_seconds(stamp), now_s)
-            if previous is not None:
-                self._status.record_event("stamp_jumps", f"{camera.topic}: {previous:.3f} s -> "
-                                          f"{stamp_seconds(stamp):.3f} s")
-                self._time_warner.drop("stamp_jump", f"{camera.topic}: header stamps went back from "
-                                       f"{previous:.3f} s to {stamp_seconds(stamp):.3f} s (a bag replayed in a "
-                                       "loop?): time triggers and waiting requests restart from the new time")
-                self._time_restart.set()
-        self._inputs.store_frame(camera.slot, Frame(image, stamp, now_s))
-        key = f"camera {camera.slot}"
-        self._input_counts[key] = self._input_counts.get(key, 0) + 1
-
-    def _tick(self, name: str) -> None:
-        """Count one message of input ``name`` (a camera slot or ``joint_states``) for its topic status."""
-        entry = self._frequencies.get(name)
-        if entry is not None:
-            entry[0].tick()
-
-    def _on_incompatible_qos(self, info, direction: str, topic: str,
-                             ignored_policy: QoSPolicyKind | None = None) -> None:
-        """Count an incompatible-QoS event of a ``subscription`` or ``publisher`` of ``topic``."""
-        try:
-            policy = QoSPolicyKind(info.last_policy_kind)
-        except ValueError:
-            policy = None
-        if ignored_policy is not None and policy == ignored_policy:
-            return
-        other = "publisher" if direction == "subscription" else "subscription"
-        name = f"policy id {info.last_policy_kind}" if policy is None else policy.name
-        self._qos_events.drop(f"{direction} {self.resolve_topic_name(topic)}",
-                              f"a {other} with incompatible QoS ({name}) cannot connect to this {direction}: "
-                              "no messages pass between them (see the QoS column of the topic table in docs/node.md)")
-
-    def set_parameters(self, parameter_list):
-        """rclpy's :meth:`rclpy.node.Node.set_parameters`, one parameter at a time under the node's parameter
-        lock (see :meth:`set_parameters_atomically`)."""
-        return [self.set_parameters_atomically([parameter]) for parameter in parameter_list]
-
-    def set_parameters_atomically(self, parameter_list):
-        """rclpy's :meth:`rclpy.node.Node.set_parameters_atomically` (what the ``set_parameters`` and
-        ``set_parameters_atomically`` services call) under the node's parameter lock: the change is judged
-        against the lifecycle state and stored before configure can read the parameters, or after configure
-        entered ``configuring`` (configure-time parameters are then refused with the reason)."""
-        with self._parameter_lock:
-            return super().set_parameters_atomically(parameter_list)
-
-    def _check_parameter_change(self, parameters) -> SetParametersResult:
-        reason = check_dynamic_change(parameters, self._lifecycle_state)
-        return SetParametersResult(successful=reason is None, reason=reason or "")
-
-    def _on_latched_instruction(self, msg: String) -> None:
-        """The transient-local subscription: only the latched instruction, while none has arrived (live
-        messages of the same publisher also arrive on the volatile subscription)."""
-        if not self._instruction_received:
-            self._on_instruction(msg)
-
-    def _on_robot_description(self, msg: String) -> None:
-        try:
-            limits, unlimited = limits_from_urdf(msg.data, self._settings.action_names)
-        except ValueError as error:
-            self._robot_description_error = str(error)
-            self._withheld.drop("no_joint_limits", f"{error}; action chunks are withheld until a valid "
-                                "robot_description arrives")
-            return
-        self._joint_limits, self._robot_description_error = limits, None
-        self.get_logger().info(f"joint limits from robot_description: {limits.limited} of "
-                               f"{len(self._settings.action_names)} action dimensions limited"
-                               + (f" (no limit for {unlimited})" if unlimited else ""))
-
-    def _on_instruction(self, msg: String) -> None:
-        self._instruction_received = True
-        self.take_instruction(msg.data)
-
     def take_instruction(self, text: str) -> tuple[bool, str]:
         """Validate and store an instruction (from the instruction topic or ``~/set_instruction``).
 
@@ -827,11 +420,11 @@ class OxygenNode(LifecycleNode):
         limit = self.get_parameter("max_instruction_chars").value
         if len(text) > limit:
             reason = f"instruction of {len(text)} characters exceeds max_instruction_chars {limit}"
-            self._drop_input("instructions", "instruction_too_long", f"{reason}; keeping {inputs.instruction!r}")
+            self.drop_input("instructions", "instruction_too_long", f"{reason}; keeping {inputs.instruction!r}")
             return False, reason
         if is_blank(text):
             reason = "empty or blank instruction refused: it gives no task"
-            self._drop_input("instructions", "instruction_empty", f"{reason}; keeping {inputs.instruction!r}")
+            self.drop_input("instructions", "instruction_empty", f"{reason}; keeping {inputs.instruction!r}")
             return False, reason
         if not inputs.store_instruction(text):
             return True, "instruction unchanged"
@@ -840,226 +433,12 @@ class OxygenNode(LifecycleNode):
         # observation carries the new instruction.
         return True, "instruction set: the next control cycle uses it"
 
-    def _on_joint_state(self, msg: JointState) -> None:
-        if not self._active:
-            return
-        self._tick("joint_states")
-        try:
-            state = self._inputs.map_joint_state(msg.name, msg.position)
-        except InputError as error:
-            self._drop_input("joint_states", error.reason, f"{self._settings.joint_states_topic}: {error}")
-            return
-        now_s = self._now()[1]
-        if not clock_started(now_s):
-            self._drop_input("joint_states", "clock_not_started", f"{self._settings.joint_states_topic}: joint state "
-                             "received before the node clock started (use_sim_time and no /clock yet)")
-            return
-        self._inputs.store_joint_state(state, now_s)
-        self._input_counts["joint_states"] = self._input_counts.get("joint_states", 0) + 1
-        # what on_stop_command hold holds (the trajectory joints may differ from joint_names)
-        self._joint_positions = {name: float(p) for name, p in zip(msg.name, msg.position) if math.isfinite(p)}
-
-    # ---- the control cycle (its own thread) ---------------------------------------------------
-
-    def _run_cycles(self) -> None:
-        settings, engine, inputs = self._settings, self._engine, self._inputs
-        period = settings.control_period_s
-        next_start = time.perf_counter()
-        while not self._stop.is_set():
-            deadline = next_start + period
-            try:
-                self._run_one_cycle(settings, engine, inputs, deadline)
-            except Exception as error:  # one failed cycle must not end the node; it is counted and logged
-                if not rclpy.ok(context=self.context):
-                    return
-                self._status.record_error(f"{type(error).__name__}: {error}")
-                self._cycle_error_warner.drop("cycle_failed", f"{type(error).__name__}: {error}")
-            next_start = deadline
-            now = time.perf_counter()
-            if next_start < now:    # overran: start the next cycle now, do not try to catch up
-                next_start = now
-            self._stop.wait(next_start - now)
-
-    def _skip(self, reason: str, detail: str) -> None:
-        self._status.record_skip(detail)
-        if reason == "no_instruction":   # a node may wait long for its task: said once per activation, at INFO
-            self._skips.drop(reason, detail, self.get_logger().info, once=True)
-            return
-        if self._seq == 0 and reason in _STARTUP_SKIPS:
-            # Before the first observation since configure, waiting for inputs (or the clock) is the expected
-            # state, not a fault: logged at INFO (still counted, and on /diagnostics).
-            self._skips.drop(reason, f"waiting for the first observation: {detail}", self.get_logger().info)
-            return
-        self._skips.drop(reason, f"no action chunk this cycle: {detail}")
-        self._publish_language(self._engine.take_events()[0])    # requests cancelled meanwhile still end
-
-    def _run_one_cycle(self, settings: NodeSettings, engine: Engine, inputs: InputStore, deadline: float) -> None:
-        if is_blank(inputs.instruction):    # nothing moves without a task; every prompt has {instruction}
-            self._skip("no_instruction", f"waiting for an instruction on {settings.instruction_topic} or "
-                       "~/set_instruction (default_instruction is empty): no action chunk, trajectory or "
-                       "language output until one arrives")
-            return
-        _, now_s = self._now()
-        if not clock_started(now_s):
-            self._skip("clock_not_started", "the node clock has not started (use_sim_time: no /clock yet)")
-            return
-        receipts = inputs.receipts
-        if self._last_cycle_clock == (now_s, receipts):
-            # Staleness is judged on the node clock: a paused /clock ages nothing, so the same frozen
-            # inputs would be used again and again.
-            self._skip("clock_paused", f"the node clock stands at {now_s:.3f} s (paused /clock?) and no input "
-                       "arrived since the last chunk")
-            return
-        if settings.joint_limits_from_robot_description and self._joint_limits is None:
-            self._skip("no_joint_limits", "no joint limits yet: waiting for robot_description"
-                       + (f" ({self._robot_description_error})" if self._robot_description_error else ""))
-            return
-        staleness = self.get_parameter("staleness_limit_s").value
-        ready = inputs.observation(lambda: self._now()[1], staleness, self._seq)
-        if isinstance(ready, str):
-            self._skip("no_observation", ready)
-            return
-        self._last_cycle_clock = (now_s, receipts)
-        if self._time_restart.is_set():
-            self._time_restart.clear()
-            self._restart_waiting_requests(engine, ready.observation.stamp)
-        self._seq += 1
-        ready.observation.tag = _ObservationTag(ready.stamp, ready.observation.instruction, ready.camera_slots)
-        result = engine.run_cycle(ready.observation, deadline, on_action=lambda chunk: self._commands.gate_action(
-            lambda: self._publish_action(chunk, settings)))    # withheld while ~/pause_actions
-        dropped = sum(1 for e in result.text_events if e.final and e.status == RequestStatus.DROPPED)
-        self._publish_language(result.text_events)
-        active = engine.active_requests
-        self._status.record_cycle(result.record, dropped, engine.pool.used_bytes,
-                                  sum(r.status == RequestStatus.RUNNING for r in active),
-                                  sum(r.status == RequestStatus.WAITING for r in active))
-
-    def _restart_waiting_requests(self, engine: Engine, stamp_s: float) -> None:
-        """After a backwards jump of time: waiting language requests triggered by an observation stamped
-        after ``stamp_s`` (on the old time base) are cancelled; their wait cannot be measured on the new
-        one (``max_wait_s``), and their final Speech goes out with the next cycle."""
-        for request in engine.active_requests:
-            if request.status == RequestStatus.WAITING and request.stamp > stamp_s:
-                engine.cancel(request.request_id)
-
-    def _publish_action(self, chunk: ActionChunk, settings: NodeSettings) -> None:
-        """Check the chunk (finite, joint limits, expiry) and publish the ActionChunk and JointTrajectory
-        the checks allow (module docstring of output_checks.py)."""
-        if self._conflicts.withholds(self.get_parameter("command_conflict_policy").value):
-            return    # logged when the conflict appeared; counted, and ERROR on /diagnostics
-        info = _tag(chunk)
-        actions = chunk.actions
-        if not all_finite(actions):
-            bad = int(np.sum(~np.isfinite(actions)))
-            self._status.record_event("non_finite_actions", f"observation {chunk.seq}: {bad} of {actions.size} values")
-            self._withheld.drop("non_finite_actions", f"action chunk of observation {chunk.seq} withheld (neither "
-                                f"ActionChunk nor JointTrajectory sent): {bad} of {actions.size} values are NaN or "
-                                "infinite")
-            return
-        limits = self._joint_limits
-        if limits is not None and limits.violations(actions):
-            outside = limits.violations(actions)
-            policy = self.get_parameter("joint_limits.policy").value
-            self._status.record_event("limited_actions", f"observation {chunk.seq}: {outside} values {policy}ed")
-            (self._withheld if policy == "reject" else self._output_warner).drop(
-                "limited_actions", f"action chunk of observation {chunk.seq}: {outside} of {actions.size} values "
-                f"outside the joint limits ({limits.source}): "
-                + ("chunk withheld" if policy == "reject" else "clamped into them"))
-            if policy == "reject":
-                return
-            chunk = replace(chunk, actions=limits.clamp(actions))
-        expiry = self.get_parameter("expired_output_policy").value
-        margin = self.get_parameter("expired_output_margin_s").value   # delivery time to the controller
-        _, now_s = self._now()
-        stamp_s = stamp_seconds(info.stamp)
-        horizon, dt = chunk.actions.shape[0], settings.action_dt_s
-        late = expired_by(stamp_s, (horizon - 1) * dt - margin, now_s)
-        if late is not None:
-            self._status.record_event("expired_chunks", f"observation {chunk.seq}: {late:.3f} s past")
-            self._warn_expired("ActionChunk", late, now_s - stamp_s, expiry)
-        if late is None or expiry == "fallback":
-            self._chunk_pub.publish(conversions.action_chunk_msg(
-                chunk, info.stamp, settings.frame_id, settings.action_names, dt, settings.model_id))
-        if self._trajectory_pub is None:
-            return
-        stamp = Time()
-        if settings.trajectory_stamp_policy == "observation":
-            late = expired_by(stamp_s, horizon * dt - margin, now_s)
-            if late is None:
-                stamp = info.stamp
-            else:
-                self._status.record_event("expired_trajectories", f"observation {chunk.seq}: {late:.3f} s past")
-                self._warn_expired("JointTrajectory", late, now_s - stamp_s, expiry)
-                if expiry == "withhold":
-                    return
-        self._trajectory_pub.publish(conversions.joint_trajectory_msg(
-            chunk, stamp, settings.frame_id, settings.action_names, settings.trajectory_joint_names, dt))
-
-    def _warn_expired(self, output: str, late_s: float, behind_s: float, policy: str) -> None:
-        """One warning per activation for the first expired output, naming the clock offset."""
-        if self._expiry_warned:
-            return
-        self._expiry_warned = True
-        offset = self._stamps.largest_offset()
-        action = {"fallback": "JointTrajectories go out with stamp 0 (start on receipt), ActionChunks as they are",
-                  "withhold": "such outputs are withheld"}[policy]
-        self.get_logger().warning(
-            f"{output} already {late_s:.3f} s past its last point at publication: the observation stamp is "
-            f"{behind_s:.3f} s behind the node clock"
-            + ("" if offset is None else f" (camera header stamps vs node clock at receipt: {offset:+.3f} s)")
-            + f". expired_output_policy {policy}: {action}; counted in ~/status (expired_chunks, "
-            "expired_trajectories). If the camera offset is small the delay is inference time: the chunk spans "
-            "less time (action_horizon x action_dt_s) than a cycle takes on this machine; otherwise synchronise "
-            "the camera and node clocks, or use trajectory_stamp_policy: now. "
-            "This warning is given once per activation.")
-
-    def _publish_language(self, events) -> None:
-        """Speech events on ``~/speech`` (and ``~/speech_text``); a memory request's entry, carried by its final
-        event, on ``~/memory`` (its text events are not speech)."""
-        for event in events:
-            if event.kind == "memory":
-                if event.memory is not None:
-                    self._publish_memory(event.memory)
-                continue
-            info = _tag(event)
-            self._speech_pub.publish(conversions.speech_msg(
-                event, info.stamp, self.utterance_id(event.request_id), event.index,
-                self._commands.instruction_for(event.request_id, info.instruction)))
-            if event.final and event.status == RequestStatus.COMPLETED:
-                self._publish_speech_text(event)
-        self._commands.on_language(events)    # ~/ask goals: feedback and results
-
-    def _publish_memory(self, entry) -> None:
-        """A memory entry on ``~/memory``, unless its embedding is not finite (withheld, counted)."""
-        if entry.embedding is not None and not all_finite(entry.embedding):
-            bad = int(np.sum(~np.isfinite(entry.embedding)))
-            self._status.record_event("non_finite_embeddings", f"memory request {entry.request_id}")
-            self._withheld.drop("non_finite_embeddings", f"memory entry of observation {entry.seq} withheld: "
-                                f"{bad} of {entry.embedding.size} embedding values are NaN or infinite")
-            return
-        info = _tag(entry)
-        self._memory_pub.publish(conversions.memory_entry_msg(
-            entry, info.stamp, self.utterance_id(entry.request_id), info.camera_slots,
-            self._commands.instruction_for(entry.request_id, info.instruction)))
+    # ---- language outputs (language_output.py) -----------------------------------------------
 
     def _publish_speech_text(self, event) -> None:
-        """``~/speech_text`` gets a completed utterance's text only when a TTS can say it; with
-        ``<task>.publish_on_change``, only when it differs from the task's text last published there.
-        The text goes out without leading and trailing whitespace (a TTS reads it as is)."""
-        if is_speakable(event.text):
-            text = event.text.strip()
-            name = f"{event.task}.publish_on_change"
-            on_change = self.has_parameter(name) and self.get_parameter(name).value
-            if on_change and self._speech_text_last.get(event.task) == text:
-                return
-            self._speech_text_last[event.task] = text
-            self._speech_text_pub.publish(String(data=text))
-            return
-        self._speech_text_withheld += 1
-        self.get_logger().warning(
-            f"speech_text withheld: utterance {self._session}-{event.request_id} has nothing to say "
-            f"({event.text[:40]!r}); {self._speech_text_withheld} withheld since activation",
-            throttle_duration_sec=5.0)
+        """A completed utterance's text on ``~/speech_text`` when it has something to say
+        (:meth:`LanguageOutput.publish_speech_text`)."""
+        self._language.publish_speech_text(event)
 
     # ---- status (executor thread) -------------------------------------------------------------
 
@@ -1079,12 +458,12 @@ class OxygenNode(LifecycleNode):
                                        self._stamps.largest_offset(), qos_total,
                                        dropped_joint_states=dropped["joint_states"],
                                        dropped_instructions=dropped["instructions"])
-            self._status_pub.publish(status)
+            self._topics.status.publish(status)
         # the period's figures: inputs received per second and drops since the previous publication
         wall = time.perf_counter()
         period_s = max(wall - self._status_published_at, 1e-9)
         self._status_published_at = wall
-        counts, self._input_counts = self._input_counts, {}
+        counts = self._topics.take_input_counts()
         names = [f"camera {c.slot}" for c in settings.cameras] + ["joint_states"]
         rates = {name: counts.get(name, 0) / period_s for name in names} if self._active else {}
         drops = self._drops.counts()
@@ -1101,11 +480,10 @@ class OxygenNode(LifecycleNode):
             withheld_chunks=self._commands.withheld_chunks)
         self._qos_reported = qos_total
         diagnostics.status[0].values.append(KeyValue(key="speech_text_withheld",
-                                                     value=str(self._speech_text_withheld)))
-        self._conflicts.annotate(diagnostics.status[0], self.get_parameter("command_conflict_policy").value)
+                                                     value=str(self.speech_text_withheld())))
+        self._conflicts.annotate(diagnostics.status[0], self._conflict_policy())
         diagnostics.status.extend(self._topic_statuses(settings))
-        self._diagnostics_pub.publish(diagnostics)
-
+        self._topics.diagnostics.publish(diagnostics)
 
     def _topic_statuses(self, settings: NodeSettings) -> list:
         """One ``<node>: <topic> topic status`` per input topic (diagnostics.py's FrequencyStatus). The
@@ -1114,14 +492,9 @@ class OxygenNode(LifecycleNode):
         node_name = self.get_fully_qualified_name()
         statuses = []
         min_hz = 1.0 / self.get_parameter("staleness_limit_s").value
-        for frequency, topic, required in self._frequencies.values():
+        for frequency, topic, required in self._topics.frequencies.values():
             name = f"{node_name}: {topic} topic status"
             statuses.append(frequency.status(name, settings.model_id, min_hz, required=required) if self._active
                             else inactive_topic_status(name, settings.model_id, self._lifecycle_state))
         return statuses
 
-
-def _tag(output) -> _ObservationTag:
-    """The node's tag on an engine output (ActionChunk, TextEvent, MemoryEntry): the tag of the observation
-    it came from, as the engine handed it back."""
-    return _NO_OBSERVATION if output.tag is None else output.tag

@@ -10,7 +10,7 @@ or choices, when a change applies):
   :class:`~oxygen_ros.engine.config.TaskConfig` are ``speech.<field>`` and ``memory.<field>`` (nested
   configurations as ``speech.trigger.every_s``) with ``speech.enabled`` / ``memory.enabled`` (and the node-only
   ``speech.publish_on_change``). The same
-  names and units as the engine YAML and the benchmark flags; :func:`read_settings` builds the
+  names and units as the engine YAML and the benchmark flags; :func:`settings_from_values` builds the
   :class:`EngineConfig` from these subtrees once, and the engine validates it once.
 * the node-only settings (model files, robot, cameras, topics, outputs, time checks): :data:`NODE_PARAMETERS`.
 
@@ -26,6 +26,10 @@ unconfigured (after ``cleanup``, or before the first ``configure``) and refuses 
 it is configured (inactive or active), since the running engine would not see them. ``autostart`` only
 acts at start-up and is read-only.
 
+Settings come from a plain mapping of parameter values (:func:`settings_from_values`): the node passes
+its own (:func:`parameter_values`, what :func:`read_settings` does), and a tool passes a dict of the names it
+sets, the others taking their declared defaults, without a node.
+
 ``python -m oxygen_ros.node.parameters --markdown > docs/parameters.md`` writes the parameter page.
 """
 
@@ -34,7 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rclpy.exceptions import ParameterUninitializedException
@@ -372,6 +376,19 @@ def _value(node: Node, name: str):
         return []
 
 
+def parameter_values(node: Node) -> dict[str, Any]:
+    """The values of ``node``'s ``oxygen_node`` parameters (declared by :func:`declare_parameters`) by name;
+    an array declared by type only and not set is empty."""
+    return {name: _value(node, name) for name in DECLARATIONS}
+
+
+def default_value(name: str) -> Any:
+    """The declared default of parameter ``name`` (an empty list for an array declared by type only).
+    Raises KeyError for a name that is not a parameter of ``oxygen_node``."""
+    default = DECLARATIONS[name].default
+    return [] if isinstance(default, Parameter.Type) else default
+
+
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"parameter {name}: {value!r} is not one of {list(allowed)}")
@@ -416,12 +433,28 @@ def engine_mapping(values: dict[str, Any], conventions: Conventions, camera_slot
 
 
 def read_settings(node: Node) -> NodeSettings:
-    """Read and validate the parameters of ``node`` (declared by :func:`declare_parameters`).
+    """Read and validate the parameters of ``node`` (declared by :func:`declare_parameters`):
+    :func:`settings_from_values` of :func:`parameter_values`, logging the conventions on the node's logger.
 
     Raises:
         ValueError: an invalid or inconsistent value; the message names the parameter.
     """
-    v = {name: _value(node, name) for name in DECLARATIONS}
+    return settings_from_values(parameter_values(node), node.get_logger().info)
+
+
+def settings_from_values(values: Mapping[str, Any], log: Callable[[str], None] | None = None) -> NodeSettings:
+    """Validate parameter ``values`` (a plain mapping: parameter name → value, as ``ros2 param`` or a params
+    file gives them) into :class:`NodeSettings`; a parameter not in ``values`` takes its declared default
+    (:func:`default_value`). ``log`` (if given) gets one line naming the conventions in use.
+
+    Raises:
+        ValueError: a name that is not a parameter of ``oxygen_node`` (``use_sim_time``, every ROS node's own,
+            is allowed and ignored), or an invalid or inconsistent value; the message names the parameter.
+    """
+    unknown = sorted(set(values) - set(DECLARATIONS) - {"use_sim_time"})
+    if unknown:
+        raise ValueError(f"unknown node parameters {unknown} (docs/parameters.md lists them)")
+    v = {name: values[name] if name in values else default_value(name) for name in DECLARATIONS}
     # Choices first (start-up overrides bypass the set-time check): an unknown preset is named as such, not
     # hidden behind the first missing value a check below would report.
     for name, declaration in DECLARATIONS.items():
@@ -458,7 +491,8 @@ def read_settings(node: Node) -> NodeSettings:
         raise ValueError("parameter joint_names: list the joints of the robot state (pi0/pi0.5 read the state)")
     _check_unique("joint_names", joint_names)
     conventions = _conventions(v, joint_names, cameras)
-    node.get_logger().info(f"conventions {conventions.describe()}")
+    if log is not None:
+        log(f"conventions {conventions.describe()}")
     action_dim = conventions.action_dim or len(joint_names)
     action_names = tuple(v["action_names"])
     if not action_names:
