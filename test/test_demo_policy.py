@@ -73,10 +73,9 @@ def test_shipped_checkpoint_matches_its_recorded_conventions(evaluate, shipped):
     from oxygen_ros.models import get_preset
     from oxygen_ros.models.checkpoint import checkpoint_overrides
     from oxygen_ros.models.conventions import find_norm_stats
-    from oxygen_ros.node.parameters import read_settings
+    from oxygen_ros.node.parameters import settings_from_values
     from oxygen_ros import demo_task
     from oxygen_ros.tools import demo, sim_robot
-    from oxygen_ros.tools.evaluate.settings import ParameterView
     from oxygen_ros.training import train
 
     directory, info = shipped
@@ -100,7 +99,7 @@ def test_shipped_checkpoint_matches_its_recorded_conventions(evaluate, shipped):
     # The node's settings from the demo's parameters: π0.5 defaults with the preset's horizon, the statistics
     # found where the policy put them, its prompts on speech and memory.
     params = _params(evaluate, directory)
-    settings = read_settings(ParameterView(params))
+    settings = settings_from_values(params)
     conv = settings.conventions
     assert (conv.variant, conv.action_horizon) == ("pi05", 50)
     assert conv.action_prompt.template == info["action_prompt"]

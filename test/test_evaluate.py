@@ -148,19 +148,18 @@ def test_lockstep_inputs_are_reliable_and_realtime_inputs_best_effort(evaluate, 
     and the frame never completed (the joint state, sent with the images, was lost on a loaded machine:
     "stale joint state (0.20 s)" until the episode aborted). Every input of a lockstep condition is reliable."""
     from oxygen_ros.demo_task import CAMERAS
-    from oxygen_ros.node.parameters import read_settings
-    from oxygen_ros.tools.evaluate.settings import ParameterView
+    from oxygen_ros.node.parameters import settings_from_values
 
     args = _args(evaluate, tmp_path)
     for condition in ("node-lockstep", "sync", "random"):
         params = evaluate.node_parameters(condition, args, "")
-        settings = read_settings(ParameterView(params))
+        settings = settings_from_values(params)
         assert settings.joint_states_reliability == "reliable", condition
         assert [c.reliability for c in settings.cameras] == ["reliable"] * len(CAMERAS), condition
-    realtime = read_settings(ParameterView(evaluate.node_parameters("node-realtime", args, "")))
+    realtime = settings_from_values(evaluate.node_parameters("node-realtime", args, ""))
     assert realtime.joint_states_reliability == "best_effort"       # the demo's robot streams at 50 Hz
     with pytest.raises(ValueError, match="joint_states_reliability"):
-        read_settings(ParameterView(dict(params, joint_states_reliability="sometimes")))
+        settings_from_values(dict(params, joint_states_reliability="sometimes"))
 
 
 def test_node_lockstep_runs_over_dds_on_simulated_time(evaluate, tmp_path):

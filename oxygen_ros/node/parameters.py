@@ -564,6 +564,19 @@ def _conventions(v: dict, joint_names: tuple[str, ...], cameras: tuple[CameraSet
     return conventions
 
 
+def overrides(items: list[str]) -> dict[str, Any]:
+    """The parameters of a tool's ``--param name:=value`` options (:func:`parse_override` each), later ones
+    winning; raises SystemExit with the first bad item's message (a usage error, not a traceback)."""
+    out = {}
+    for item in items:
+        try:
+            name, value = parse_override(item)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        out[name] = value
+    return out
+
+
 def parse_override(item: str) -> tuple[str, Any]:
     """``name:=value`` (a tool's ``--param``, YAML as in ``ros2 run ... -p``) → ``(name, value)`` checked against
     the parameter's declaration, so that a mistake is one line before any node starts rather than a traceback from

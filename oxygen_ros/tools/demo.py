@@ -59,7 +59,7 @@ from oxygen_ros import demo_task  # noqa: E402
 from oxygen_ros.assets import demo_policy_dir, policy_cameras, read_policy_file  # noqa: E402
 from oxygen_ros.models.processing import ACTION_PROMPT  # noqa: E402
 from oxygen_ros.msg import ActionChunk, MemoryEntry, Speech  # noqa: E402
-from oxygen_ros.node.parameters import parse_override  # noqa: E402
+from oxygen_ros.node.parameters import overrides  # noqa: E402
 from oxygen_ros.tools import demo_data, sim_robot  # noqa: E402
 from oxygen_ros.tools.bag_recorder import BagRecorder, default_run_dir  # noqa: E402
 from oxygen_ros.tools.child_process import start_child, stop_child  # noqa: E402
@@ -122,12 +122,7 @@ def node_parameters(args: argparse.Namespace) -> dict:
         # Speech and memory read the action task's prefix KV: one prefill per frame serves all three tasks
         # (the unified cache's sharing at its best; what makes the CPU demo meet its rates).
         params["speech.prompt_template"] = params["memory.prompt_template"] = ACTION_PROMPT
-    for item in args.param:
-        try:
-            name, value = parse_override(item)
-        except ValueError as err:
-            raise SystemExit(str(err)) from None
-        params[name] = value
+    params.update(overrides(args.param))
     return params
 
 

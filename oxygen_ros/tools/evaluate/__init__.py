@@ -23,7 +23,7 @@ Conditions (``--conditions``, all by default):
 * ``node-realtime``: the same node with the demo's robot (:class:`~oxygen_ros.tools.sim_robot.SimRobot`,
   real-time physics, cameras rendered round robin at ``--camera-rate``) and the demo's rates.
 * ``sync``: the engine called synchronously, without ROS, in the lockstep schedule; built from the same
-  node parameters by the node's own code (``read_settings``, ``model_loading.build_engine``, which uses
+  node parameters by the node's own code (``settings_from_values``, ``model_loading.build_engine``, which uses
   :mod:`oxygen_ros.engine.factory`), fed the same images, state and stamps.
 * ``random``: as ``sync`` with the preset's seeded random weights (no checkpoint; the checkpoint's
   normalisation statistics), the floor.
@@ -53,7 +53,7 @@ os.environ.setdefault("MUJOCO_GL", "osmesa")
 os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
 
 # The package's public surface. Its modules: episode (the simulated episode and its ground truth), conditions (each
-# condition's node parameters), settings (the node's settings without a node), sync (the synchronous conditions),
+# condition's node parameters), sync (the synchronous conditions; the node's settings from a plain mapping),
 # node_runs (the node conditions), workers (their robot child processes), scoring, report, cli.
 from oxygen_ros.tools.evaluate.cli import evaluate, main, parse_args  # noqa: E402
 from oxygen_ros.tools.evaluate.conditions import CONDITIONS, label_tokens, node_parameters  # noqa: E402

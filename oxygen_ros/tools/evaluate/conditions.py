@@ -76,14 +76,9 @@ def node_parameters(condition: str, args, checkpoint: str) -> dict:
             "memory.trigger.every_n_frames": args.language_every, "memory.trigger.every_s": 0.0,
             "engine.scheduling": "fixed_k", "engine.decode_steps_per_cycle": tokens,
             "speech.max_wait_s": 1e6, "memory.max_wait_s": 1e6})
-    from oxygen_ros.node.parameters import parse_override
+    from oxygen_ros.node.parameters import overrides
 
-    for item in args.param:
-        try:
-            name, value = parse_override(item)
-        except ValueError as err:
-            raise SystemExit(str(err)) from None
-        params[name] = value
+    params.update(overrides(args.param))
     if condition == "random":
         params["checkpoint"] = ""
         if checkpoint and not params.get("norm_stats_path"):

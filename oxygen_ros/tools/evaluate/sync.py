@@ -15,7 +15,6 @@ from oxygen_ros.tools.chunk_execution import ChunkExecutor
 from oxygen_ros.tools.evaluate.conditions import topic_camera
 from oxygen_ros.tools.evaluate.episode import ENSEMBLE_MAX_CHUNKS, EPISODE_STEPS, EpisodeSim
 from oxygen_ros.tools.evaluate.report import episode_line
-from oxygen_ros.tools.evaluate.settings import read_node_settings
 
 
 @dataclasses.dataclass
@@ -41,8 +40,9 @@ class EnginePolicy:
 
     def __init__(self, params: dict):
         from oxygen_ros.node import model_loading
+        from oxygen_ros.node.parameters import settings_from_values
 
-        self.settings = read_node_settings(params)
+        self.settings = settings_from_values(params)
         self.engine = model_loading.build_engine(self.settings)
         model_loading.warm_up(self.engine, self.settings)
         self.instruction = self.settings.default_instruction or INSTRUCTION
