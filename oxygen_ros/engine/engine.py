@@ -103,8 +103,9 @@ class Engine:
         self._loop, self._robot, self._owns_loop = loop, robot, owns_loop
         self._core = loop.core
         self._lock = loop.core.lock
-        # what tests of admission and the step-cost estimate read
+        # what tests of admission, prompts and the step-cost estimate read
         self._action_reserve, self._scheduler, self._estimator = robot.action_reserve, robot.scheduler, loop.core.estimator
+        self._inputs = robot.reader
         if owns_loop:
             loop.add(robot)
 
