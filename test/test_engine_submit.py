@@ -124,7 +124,8 @@ def test_a_template_with_an_unknown_field_is_refused_at_submission(model):
     field or an unbalanced brace never reaches a cycle."""
     engine = _engine(model)
     for template in ("Describe {instruction} in {language}", "{instruction} {}", "{instruction} {",
-                     "{instruction.upper}"):
+                     "{instruction.upper}", "{{instruction}}", "{state:{instruction}}", "{instruction!z}",
+                     "{instruction:>99999999}"):
         with pytest.raises(ValueError, match="template"):
             engine.submit("speech", prompt_template=template)
     assert engine.active_requests == []

@@ -95,3 +95,14 @@ def test_the_first_instruction_starts_the_action_outputs(harness, asker):
     assert handle is not None
     future = handle.get_result_async()
     assert wait_for(future.done, 120.0), "no result"
+
+
+def test_invisible_only_instructions_are_blank():
+    """Whitespace and invisible format characters (zero-width space, byte-order mark, word joiner) give no task;
+    any visible character does."""
+    from oxygen_ros.node.inputs import is_blank
+
+    for blank in ("", "   ", "\t\n", "\u200b", "\ufeff \u2060", "\u00a0\u3000"):
+        assert is_blank(blank), repr(blank)
+    for task in ("pick", " x\u200b", "拾う"):
+        assert not is_blank(task), repr(task)

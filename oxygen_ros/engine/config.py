@@ -144,20 +144,28 @@ def check_template(template: str, where: str, extra_fields: tuple[str, ...] = ()
     """Refuse a prompt template the prompt builder (``str.format``) would fail on at run time.
 
     Raises:
-        ValueError: unbalanced braces, or a field other than ``{instruction}``, ``{state}``,
-            ``{split}`` and ``extra_fields`` (positional ``{}`` and attribute or index access included);
-            the message names ``where``, the field and the allowed ones.
+        ValueError: unbalanced braces, a field other than ``{instruction}``, ``{state}``, ``{split}`` and
+            ``extra_fields`` (positional ``{}`` and attribute or index access included), a field with a format
+            spec or conversion (``{state:>9}``, ``{instruction!r}``), or no ``{instruction}`` field (``{{instruction}}``
+            is literal text); the message names ``where`` and the fault.
     """
     allowed = PROMPT_FIELDS + extra_fields
     try:
-        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        fields_ = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(template)
+                   if name is not None]
     except ValueError as error:
         raise ValueError(f"{where} {template!r} is not a valid template: {error}") from None
-    unknown = sorted({name for name in names if name not in allowed})
+    unknown = sorted({name for name, _, _ in fields_ if name not in allowed})
     if unknown:
         raise ValueError(f"{where} {template!r} has unknown field(s) "
                          f"{', '.join('{' + name + '}' for name in unknown)}; allowed: "
                          f"{', '.join('{' + name + '}' for name in allowed)}")
+    formatted = [name for name, spec, conversion in fields_ if spec or conversion]
+    if formatted:
+        raise ValueError(f"{where} {template!r}: a field takes no format spec or conversion "
+                         f"(write {{{formatted[0]}}} alone)")
+    if "instruction" not in [name for name, _, _ in fields_]:
+        raise ValueError(f"{where} {template!r} has no {{instruction}} field ({{{{instruction}}}} is literal text)")
 
 
 def _check_keys(cls: type, data: Mapping[str, Any], where: str) -> None:

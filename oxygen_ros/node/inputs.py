@@ -14,6 +14,8 @@ jumped back since) is stale, like one older than the limit.
 
 from __future__ import annotations
 
+import unicodedata
+
 import math
 import threading
 import time
@@ -41,9 +43,10 @@ class InputError(ValueError):
 
 
 def is_blank(instruction: str) -> bool:
-    """True for an instruction that gives no task: empty or whitespace only. The node acts on none (no action
-    chunk from an empty prompt: openpi refuses to run without one) and refuses one where it is given."""
-    return not instruction.strip()
+    """True for an instruction that gives no task: empty, or only whitespace and invisible format characters
+    (Unicode category Cf: zero-width space, byte-order mark, ...). The node acts on none (no action chunk from an
+    empty prompt: openpi refuses to run without one) and refuses one where it is given."""
+    return not "".join(c for c in instruction if unicodedata.category(c) != "Cf").strip()
 
 
 def stamp_seconds(stamp: Time) -> float:

@@ -364,8 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exclude", default=None, help="regular expression of topics not to record")
     parser.add_argument("--storage", choices=sorted(STORAGES), default="mcap")
     parser.add_argument("--flush-period", type=float, default=FLUSH_PERIOD_S, metavar="S",
-                        help="flush the bag to disk every S seconds: a killed recorder loses at most the "
-                             f"last S seconds (default {FLUSH_PERIOD_S:g})")
+                        help="flush the bag to disk every S seconds: a killed recorder's MCAP bag loses at most "
+                             "the last S seconds (replay recovers the rest; an sqlite3 bag keeps its data but "
+                             f"replay cannot open one its recorder never closed) (default {FLUSH_PERIOD_S:g})")
     args = parser.parse_args(argv)
     if args.flush_period <= 0:
         parser.error(f"argument --flush-period: must be positive, got {args.flush_period:g}")

@@ -107,6 +107,9 @@ class BagPlayer(Node):
                     self.skipped[connection.topic] = f"{connection.msgtype or 'no type'} ({err})"
             self._connections = [c for c in chosen if c.id in self._classes]
             if not self._connections:
+                if not reader.connections:
+                    raise ValueError(f"{self.bag} holds no topic at all (an empty recording, or one killed before "
+                                     "its first flush)")
                 what = f"none of the topics {sorted(wanted)} is" if wanted is not None and not chosen else \
                     "no topic with an installed message type is"
                 raise ValueError(f"{what} in {self.bag}")
