@@ -351,6 +351,43 @@ class TaskConfig:
 
 
 @dataclass(frozen=True)
+class RTCConfig:
+    """Real-time chunking (``engine/realtime.py``, ``models/rtc.py``): each new action chunk is denoised
+    toward the chunk the robot is executing, so the switch continues the motion in flight. Off by default;
+    the defaults of the others are LeRobot's RTC configuration's (linear schedule, β = 10, s = 10)."""
+
+    enabled: bool = knob(False, "guide each new chunk toward the chunk in flight (needs action_dt_s > 0)")
+    execution_horizon: int = knob(10, "s: actions of the chunk in flight the new one is guided toward; the prefix "
+                                  "weights reach 0 here", low=0, high=100_000)
+    schedule: str = knob("linear", "decay of the prefix weights between the delay d and s: linear or exp (the "
+                         "paper's)", choices=("linear", "exp"))
+    max_guidance_weight: float = knob(10.0, "beta: the clip of the guidance weight (0 = no guidance)", low=0.0,
+                                      high=1e6)
+    delay_mode: str = knob("auto", "the inference delay d: auto (measured: the largest recent delay plus "
+                           "delivery_margin_s, in control steps) or fixed (fixed_delay_steps)",
+                           choices=("auto", "fixed"))
+    fixed_delay_steps: int = knob(0, "d in fixed delay_mode", low=0, high=100_000)
+    delivery_margin_s: float = knob(0.0, "added to the measured delay before it is counted in control steps "
+                                    "(the transport to the controller)", unit="s", low=0.0, high=60.0)
+    delay_window: int = knob(20, "recent measured delays whose maximum is the estimate", low=1, high=100_000)
+    warmup_cycles: int = knob(2, "first measured delays ignored (one-time costs: lazy initialisation, caches)",
+                              low=0, high=100_000)
+    action_dt_s: float = knob(0.0, "the time between consecutive actions of a chunk (the control step the delay "
+                              "is counted in); required > 0 when enabled", unit="s", low=0.0, high=60.0)
+
+    def __post_init__(self) -> None:
+        _validate(self, "rtc.")
+        if self.enabled and not self.action_dt_s > 0:
+            raise ValueError("rtc.enabled needs rtc.action_dt_s > 0 (the control step the inference delay is "
+                             "counted in)")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RTCConfig":
+        _check_keys(cls, data, "rtc")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the model. The fields' meanings are their knobs' ``doc``
     (listed with ranges and units in docs/parameters.md); the language tasks are :class:`TaskConfig`,
@@ -387,6 +424,7 @@ class EngineConfig:
                                          "concatenates cameras in this order (the node: from camera_slots)",
                                          exposed=False)
     action: ActionTaskConfig = knob(doc="the action task", factory=ActionTaskConfig)
+    rtc: RTCConfig = knob(doc="real-time chunking of the action task", factory=RTCConfig, exposed=False)
     language_tasks: tuple[TaskConfig, ...] = knob((), "the language tasks, unique names", exposed=False)
     max_batch_size: int = knob(64, "most language requests advanced by one batched decode step",
                                low=1, high=4096)
@@ -440,11 +478,14 @@ class EngineConfig:
         action = data.pop("action", {})
         if isinstance(action, Mapping):
             action = ActionTaskConfig.from_dict(action)
+        rtc = data.pop("rtc", {})
+        if isinstance(rtc, Mapping):
+            rtc = RTCConfig.from_dict(rtc)
         tasks = tuple(t if isinstance(t, TaskConfig) else TaskConfig.from_dict(t)
                       for t in data.pop("language_tasks", ()))
         if "camera_slots" in data:
             data["camera_slots"] = tuple(data["camera_slots"])
-        return cls(action=action, language_tasks=tasks, **data)
+        return cls(action=action, rtc=rtc, language_tasks=tasks, **data)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "EngineConfig":

@@ -39,10 +39,12 @@ from oxygen_ros.engine.metrics import CycleRecord
 from oxygen_ros.engine.modes import ModePolicy
 from oxygen_ros.engine.outputs import CycleResult
 from oxygen_ros.engine.prefix_cache import PrefixJob
+from oxygen_ros.engine.realtime import ChunkInFlight, plan_guidance
 from oxygen_ros.engine.request import Request, sample_tokens
 from oxygen_ros.engine.robot import RobotState, report_ended
 from oxygen_ros.engine.scheduler import AdmissionPlan, StepCostEstimator
 from oxygen_ros.engine.types import ActionChunk, Observation, RequestStatus, TextEvent
+from oxygen_ros.models.rtc import RTCGuidance
 
 
 @dataclass
@@ -158,7 +160,7 @@ class ControlLoop:
         try:
             frames = {robot_id: self._action_frame(self.robots[robot_id], obs)
                       for robot_id, obs in observations.items()}
-            self._act(frames, t0, meter, on_action)
+            self._act(frames, t0, meter, on_action, realtime=False)
         finally:
             self.core.planner.tree.clear()
             pool.peak_used_blocks = peak      # warm-up pages are no robot's peak
@@ -215,13 +217,15 @@ class ControlLoop:
     # ---- 2. act ------------------------------------------------------------------------------
 
     def _act(self, frames: dict[Hashable, Frame], t0: float, meter: CycleMeter,
-             on_action: Callable[[Hashable, ActionChunk], None] | None
+             on_action: Callable[[Hashable, ActionChunk], None] | None, realtime: bool = True
              ) -> tuple[dict[Hashable, ActionChunk], dict[Hashable, torch.Tensor]]:
         """Encode every robot's cameras in one vision call, prefill the action prefixes (one batched
         call per tree level), denoise them in one batch per number of denoising steps (noise seeded by
-        ``noise_seed + obs.seq``, so a frame's chunk is reproducible), hand the chunks out in
-        ``frames``' order. Returns the chunks (robot units ``[H, robot action dim]``, latency counted
-        from ``t0``) and each robot's vision features ``[N, num_image_tokens, W]``."""
+        ``noise_seed + obs.seq``, so a frame's chunk is reproducible; with real-time chunking on, each row
+        guided toward its robot's chunk in flight: ``realtime.py``), hand the chunks out in ``frames``'
+        order. Returns the chunks (robot units ``[H, robot action dim]``, latency counted from ``t0``) and
+        each robot's vision features ``[N, num_image_tokens, W]``. ``realtime``: False for a warm-up, which
+        neither reads nor keeps a chunk in flight."""
         robots = [self.robots[robot_id] for robot_id in frames]
         runner = self.core.runner
         with meter.phase("encode_s"):
@@ -231,32 +235,58 @@ class ControlLoop:
                                      frames[robot.id].action_ids, features[robot.id], frames[robot.id].requests)
                 for robot in robots]
         nodes = self.core.planner.nodes(jobs, meter)
-        groups: dict[tuple[int, bool], list[int]] = {}
-        states, noises = [], []
+        groups: dict[tuple[int, bool, float], list[int]] = {}
+        states, noises, plans = [], [], {}
         for i, robot in enumerate(robots):
             obs = frames[robot.id].obs
             states.append(robot.io.state_tensor(obs.state))
             generator = torch.Generator().manual_seed(robot.config.action.noise_seed + obs.seq)
             noises.append(torch.randn(robot.noise_shape, generator=generator))
-            groups.setdefault((robot.config.action.num_denoise_steps, states[i] is None), []).append(i)
+            rtc = robot.config.rtc
+            if realtime and rtc.enabled:
+                plans[i] = plan = plan_guidance(rtc, robot.in_flight, robot.delays, obs.stamp, *robot.noise_shape[1:])
+                for reason in (plan.fallback, "delay_clipped" if plan.clipped else ""):
+                    if reason:
+                        robot.rtc_counts[reason] = robot.rtc_counts.get(reason, 0) + 1
+            beta = rtc.max_guidance_weight if i in plans else 0.0
+            groups.setdefault((robot.config.action.num_denoise_steps, states[i] is None, beta), []).append(i)
         actions: dict[int, torch.Tensor] = {}
         with meter.phase("denoise_s"):
-            for (steps, stateless), members in groups.items():
+            for (steps, stateless, beta), members in groups.items():
                 out = runner.denoise_batch([nodes[i].seq for i in members], torch.cat([noises[i] for i in members]),
-                                           steps, None if stateless else [states[i] for i in members])
+                                           steps, None if stateless else [states[i] for i in members],
+                                           self._guidance([plans.get(i) for i in members], robots[members[0]], beta))
                 actions.update(zip(members, out))
         chunks = {}
         for i, (robot, job) in enumerate(zip(robots, jobs)):
             frame = frames[robot.id]
             obs = frame.obs
+            plan = plans.get(i)
             chunk = chunks[robot.id] = ActionChunk(
                 robot.io.actions_out(actions[i], obs.state), obs.seq, obs.stamp, time.perf_counter() - t0,
-                obs.tag, frame.subtask, tuple(job.prompt_ids))
+                obs.tag, frame.subtask, tuple(job.prompt_ids),
+                *((plan.delay_steps, plan.takeover_index, plan.fallback) if plan is not None else ()))
+            if plan is not None:
+                robot.in_flight = ChunkInFlight(actions[i].detach().float().cpu().clone(), obs.stamp, obs.seq)
+                robot.delays.observe_own(chunk.latency_s)
             if self.mode.drops_action_prefix():
                 self.core.planner.tree.clear()
             if on_action is not None:
                 on_action(robot.id, chunk)
         return chunks, features
+
+    @staticmethod
+    def _guidance(plans: list, robot: RobotState, beta: float) -> RTCGuidance | None:
+        """The batched guidance of one denoising group's rows (None when no row is guided)."""
+        if not any(plan is not None and plan.target is not None for plan in plans):
+            return None
+        _, horizon, dim = robot.noise_shape
+        target = torch.zeros(len(plans), horizon, dim)
+        weights = torch.zeros(len(plans), horizon)
+        for row, plan in enumerate(plans):
+            if plan is not None and plan.target is not None:
+                target[row], weights[row] = plan.target, plan.weights
+        return RTCGuidance(target, weights, beta)
 
     def _enqueue(self, robot: RobotState, frame: Frame, features: torch.Tensor) -> None:
         """Queue the frame's new requests with the inputs they keep until prefilled (the mode's)."""

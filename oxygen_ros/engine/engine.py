@@ -46,6 +46,8 @@ class RobotEngine(Protocol):
 
     def cancel(self, request_id: int) -> bool: ...
 
+    def observe_delay(self, delay_s: float) -> None: ...
+
     def cancel_task(self, task: str) -> int: ...
 
     def take_events(self) -> tuple[list[TextEvent], list[MemoryEntry]]: ...
@@ -170,6 +172,19 @@ class Engine:
         """Cancel every active request of language task ``task`` (KeyError if none); how many."""
         self.config.task(task)
         return self._robot.inbox.cancel_task(task)
+
+    def observe_delay(self, delay_s: float) -> None:
+        """Real-time chunking: a chunk's measured inference delay (s from its observation's stamp to the chunk
+        ready, in the robot's clock: simulated time counts simulated steps), for the estimate of the next
+        cycles' delay ``d`` (``realtime.py``). Without any, the engine's own wall-clock measurements are used.
+        Raises ValueError for a negative or non-finite delay."""
+        with self._lock:
+            self._robot.delays.observe(delay_s)
+
+    @property
+    def rtc_counts(self) -> dict[str, int]:
+        """Chunks denoised plainly with real-time chunking on, by reason (``realtime.py``), and ``delay_clipped``."""
+        return dict(self._robot.rtc_counts)
 
     def take_events(self) -> tuple[list[TextEvent], list[MemoryEntry]]:
         """Events produced between cycles with no model work (final events of requests cancelled

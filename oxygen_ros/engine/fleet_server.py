@@ -224,6 +224,15 @@ class RobotClient:
         """:meth:`Engine.cancel_task` of this robot (any thread)."""
         return self._lane.cancel_task(task)
 
+    def observe_delay(self, delay_s: float) -> None:
+        """:meth:`Engine.observe_delay` of this robot."""
+        self._lane.observe_delay(delay_s)
+
+    @property
+    def rtc_counts(self) -> dict[str, int]:
+        """:attr:`Engine.rtc_counts` of this robot."""
+        return self._lane.rtc_counts
+
     def metrics(self) -> dict:
         """:meth:`Engine.metrics` of this robot."""
         return self._lane.metrics()

@@ -10,7 +10,7 @@ and the loop's bookkeeping of when it was last admitted and decoded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Hashable
 
@@ -21,6 +21,7 @@ from oxygen_ros.engine.inputs import ObservationReader
 from oxygen_ros.engine.metrics import EngineMetrics
 from oxygen_ros.engine.model_io import ModelIO
 from oxygen_ros.engine.outputs import OutputAssembler
+from oxygen_ros.engine.realtime import ChunkInFlight, DelayEstimator
 from oxygen_ros.engine.scheduler import Scheduler, action_reserve_blocks
 from oxygen_ros.engine.subtask import SubtaskState
 from oxygen_ros.engine.triggers import Triggers
@@ -47,6 +48,9 @@ class RobotState:
         admitted_at: the loop's admission round in which it last admitted (fair admission order).
         decoded_at: the loop's decode step that last took one of its requests (fair batch order).
         tokens: tokens its requests generated in the current cycle.
+        delays: its inference delay in control steps (real-time chunking, ``realtime.py``).
+        in_flight: the chunk it executes (real-time chunking keeps it), None before the first.
+        rtc_counts: chunks denoised plainly with real-time chunking on, by reason, and ``delay_clipped``.
     """
 
     id: Hashable
@@ -65,6 +69,9 @@ class RobotState:
     admitted_at: int = -1
     decoded_at: int = -1
     tokens: int = 0
+    delays: DelayEstimator | None = None
+    in_flight: ChunkInFlight | None = None
+    rtc_counts: dict[str, int] = field(default_factory=dict)
 
 
 def report_ended(scheduler: Scheduler, outputs: OutputAssembler, subtask: SubtaskState) -> None:
@@ -95,4 +102,4 @@ def new_robot(core: EngineCore, io: ModelIO, config: EngineConfig, robot_id: Has
     return RobotState(robot_id, config, io,
                       ObservationReader(config, io, max_prompt, model.num_image_tokens, robot_id),
                       Triggers(config.language_tasks), subtask, scheduler, outputs, metrics, inbox,
-                      (1, model.action_horizon, model.action_dim), reserve)
+                      (1, model.action_horizon, model.action_dim), reserve, delays=DelayEstimator(config.rtc))

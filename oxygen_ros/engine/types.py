@@ -72,6 +72,12 @@ class ActionChunk:
         subtask: the subtask that conditioned it (the ``{subtask}`` of ``action.subtask_prompt_template``,
             π0.5's subtask loop: ``oxygen_ros/engine/subtask.py``), or None for the plain action prompt.
         prompt_ids: the token ids of the action prompt it was computed from.
+        rtc_delay_steps: real-time chunking (``engine/realtime.py``): the inference delay d (control steps)
+            it was guided with; -1 when denoised plainly.
+        rtc_takeover_index: the action of the previous chunk that this one takes over from (its own action
+            ``rtc_delay_steps`` replaces it); -1 when denoised plainly.
+        rtc_fallback: why it was denoised plainly with RTC on (``no_chunk``, ``delay_unknown``, ``expired``,
+            ``stale_stamp``), else "".
     """
 
     actions: np.ndarray
@@ -81,6 +87,9 @@ class ActionChunk:
     tag: Any = field(default=None, repr=False)
     subtask: str | None = None
     prompt_ids: tuple[int, ...] = field(default=(), repr=False)
+    rtc_delay_steps: int = -1
+    rtc_takeover_index: int = -1
+    rtc_fallback: str = ""
 
 
 class RequestStatus(str, enum.Enum):
