@@ -207,9 +207,15 @@ class OxygenNode(LifecycleNode):
         # Raises InvalidParameterTypeException / InvalidParameterValueException for a value of the wrong
         # type or out of range (overrides, a params file): rclpy checks them at declaration.
         # ~/ask, ~/pause_actions, ~/resume_actions, ~/set_instruction (oxygen_ros/node/commands.py); before
-        # the parameters, so that a node whose declaration fails can still be destroyed
+        # the parameters, so that a node whose declaration fails can still be destroyed: here, since the caller
+        # never gets it (left to the garbage collector, the context's last node would take the DDS participant
+        # down inside a collection)
         self._commands = Commands(self)
-        declare_parameters(self)
+        try:
+            declare_parameters(self)
+        except BaseException:
+            self.destroy_node()
+            raise
         self.add_on_set_parameters_callback(self._check_parameter_change)
         if self.get_parameter("autostart").value:
             self._autostart_timer = self.create_timer(0.0, self._autostart)

@@ -75,12 +75,14 @@ class BagPlayer(Node):
     def __init__(self, bag: Path | str, *, remap: dict[str, str] | None = None,
                  topics: Iterable[str] | None = None, rate: float = 1.0, loop: bool = False,
                  restamp: bool = False, node_name: str = "bag_player", **node_kwargs):
-        super().__init__(node_name, **node_kwargs)
-        self.bag = Path(bag)
-        if not self.bag.exists():
-            raise FileNotFoundError(self.bag)
+        # The arguments are checked before the node exists: a constructor that raises leaves no rcl node for the
+        # garbage collector to finalise (and with it, as the context's last node, the DDS participant).
+        if not Path(bag).exists():
+            raise FileNotFoundError(Path(bag))
         if rate <= 0:
             raise ValueError(f"rate must be positive, got {rate}")
+        super().__init__(node_name, **node_kwargs)
+        self.bag = Path(bag)
         self.rate, self.loop, self.restamp = rate, loop, restamp
         self.remap = dict(remap or {})
         self.typestore = project_typestore()
@@ -89,6 +91,8 @@ class BagPlayer(Node):
         wanted = set(topics) if topics is not None else None
         self._connections = [c for c in self._reader.connections if wanted is None or c.topic in wanted]
         if not self._connections:
+            self._reader.close()
+            Node.destroy_node(self)
             raise ValueError(f"none of the topics {sorted(wanted or [])} is in {self.bag}")
         self._replay_publishers = {}
         for connection in self._connections:
