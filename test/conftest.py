@@ -3,7 +3,9 @@
 ROS tests run on real rclpy with Fast DDS over loopback. Each pytest run picks its own ROS_DOMAIN_ID
 (from the process id) and keeps discovery on localhost, so parallel runs on one machine don't cross.
 Tests that need ROS (rclpy + the colcon install space) are marked ``ros`` and skip cleanly when run
-outside ``make test``'s environment.
+outside ``make test``'s environment. Tests that start rclpy nodes (over DDS in this process, or node
+processes) are marked ``dds`` (a test using ``ros_context`` is marked here) and slow ones ``slow``: ``make
+test-fast`` runs the rest (``-m "not dds and not slow"``) and fails a test there that starts a node unmarked.
 
 Two guards against a hung run:
 
@@ -204,8 +206,12 @@ def _nodes_destroyed_by_test(request):
     since = _last_serial
     _phase = request.node.nodeid
     yield
+    started = _last_serial - since
     _check_nodes(since, request.node.nodeid)
     _phase = f"module {request.module.__name__}'s fixtures"
+    if started and os.environ.get("OXYGEN_TEST_FAST") and "dds" not in request.node.keywords:
+        pytest.fail(f"{request.node.nodeid} started {started} rclpy node(s) but is not marked `dds`: `make test-fast` "
+                    "runs only tests without DDS nodes (pytest.ini's markers); mark it", pytrace=False)
 
 
 # ---- watchdog (module docstring) ------------------------------------------------------------------------
@@ -213,10 +219,18 @@ def _nodes_destroyed_by_test(request):
 _watch = {"fd": None, "started": 0.0}   # a copy of the real stderr; when the current test (or phase) started
 
 
+def _watchdog_timeout(config) -> float:
+    """pytest.ini's ``faulthandler_timeout`` [s]; 0 when disabled (also with ``-p no:faulthandler``)."""
+    try:
+        return float(config.getini("faulthandler_timeout") or 0.0)
+    except ValueError:
+        return 0.0
+
+
 def _arm_watchdog(config, seconds: float | None = None) -> None:
     """Arm faulthandler's watchdog (pytest.ini's ``faulthandler_timeout`` / ``faulthandler_exit_on_timeout``) for
     ``seconds`` (default: the whole timeout), replacing the one armed before; nothing when it is disabled."""
-    timeout = float(config.getini("faulthandler_timeout") or 0.0)
+    timeout = _watchdog_timeout(config)
     if timeout <= 0 or _watch["fd"] is None:
         return
     faulthandler.dump_traceback_later(timeout if seconds is None else seconds, file=_watch["fd"],
@@ -246,8 +260,7 @@ def pytest_exception_interact(node, call, report):
     that test, its teardown above all, stays under it here unless a debugger is in use."""
     if node.config.getoption("usepdb", False):
         return
-    timeout = float(node.config.getini("faulthandler_timeout") or 0.0)
-    _arm_watchdog(node.config, max(1.0, timeout - (time.monotonic() - _watch["started"])))
+    _arm_watchdog(node.config, max(1.0, _watchdog_timeout(node.config) - (time.monotonic() - _watch["started"])))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -258,7 +271,11 @@ def pytest_sessionfinish(session):
     _arm_watchdog(session.config)
 
 
+@pytest.hookimpl(tryfirst=True)     # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "ros_context" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.dds)     # its rclpy context is there to start nodes
     if ROS_AVAILABLE:
         return
     skip = pytest.mark.skip(reason="rclpy or the built oxygen_ros messages are not importable: run `make test`")

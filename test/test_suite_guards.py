@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -84,6 +85,42 @@ def test_a_constructor_that_raises_leaves_no_node(ros_context, tmp_path):
         OxygenNode(context=ros_context, parameter_overrides=[Parameter("control_rate_hz", value="fast")])
     left = {name: conftest._holders(node) for serial, (node, name, _) in conftest._NODES.items() if serial > since}
     assert not any(left.values()), left
+
+
+@pytest.mark.ros
+@pytest.mark.dds
+def test_make_test_fast_fails_a_test_that_starts_a_node_unmarked(tmp_path):
+    """``make test-fast`` (OXYGEN_TEST_FAST=1) leaves out the tests marked ``dds``; one that starts an rclpy node
+    without the marker fails there, saying so, and passes with it."""
+    shutil.copy(Path(conftest.__file__), tmp_path / "conftest.py")
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\nmarkers =\n    ros: x\n    dds: x\n")
+    (tmp_path / "test_node.py").write_text(textwrap.dedent("""\
+        import pytest
+
+        def _start_a_node():
+            import rclpy
+            from rclpy.context import Context
+            from rclpy.node import Node
+
+            context = Context()
+            rclpy.init(context=context)
+            Node("unmarked", context=context).destroy_node()
+            context.try_shutdown()
+            context.destroy()
+
+        def test_unmarked():
+            _start_a_node()
+
+        @pytest.mark.dds
+        def test_marked():
+            _start_a_node()
+        """))
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"} | {"OXYGEN_TEST_FAST": "1"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rE", str(tmp_path)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=HANG_BOUND_S)
+    output = result.stdout + result.stderr
+    assert "test_unmarked started 1 rclpy node(s) but is not marked `dds`" in output, output
+    assert re.search(r"\b2 passed, (\d+ warnings?, )?1 error\b", output), output     # the unmarked one errs at teardown
 
 
 # ---- the watchdog ------------------------------------------------------------------------------------------
