@@ -3,13 +3,18 @@
 SHELL := /bin/bash
 WITH_ENV := source scripts/env.sh &&
 
-.PHONY: setup test demo demo-data train-demo eval-demo bench-model bench-engine bench-fleet bench-roofline clean
+.PHONY: setup test test-fast demo demo-data train-demo eval-demo bench-model bench-engine bench-fleet bench-roofline clean
 
 setup:
 	@bash scripts/setup_env.sh
 
 test: setup
 	@$(WITH_ENV) pytest
+
+# The inner loop of a change: the unit tests of models, engine, node helpers and tools, without the tests that start
+# rclpy nodes (marker dds) or take long (slow); `make test` runs everything. PYTEST_ARGS passes options.
+test-fast: setup
+	@$(WITH_ENV) OXYGEN_TEST_FAST=1 pytest -m "not dds and not slow" $(PYTEST_ARGS)
 
 demo: setup
 	@$(WITH_ENV) python -m oxygen_ros.tools.demo $(DEMO_ARGS)

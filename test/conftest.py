@@ -3,7 +3,9 @@
 ROS tests run on real rclpy with Fast DDS over loopback. Each pytest run picks its own ROS_DOMAIN_ID
 (from the process id) and keeps discovery on localhost, so parallel runs on one machine don't cross.
 Tests that need ROS (rclpy + the colcon install space) are marked ``ros`` and skip cleanly when run
-outside ``make test``'s environment.
+outside ``make test``'s environment. Tests that start rclpy nodes (over DDS in this process, or node
+processes) are marked ``dds`` (a test using ``ros_context`` is marked here) and slow ones ``slow``: ``make
+test-fast`` runs the rest (``-m "not dds and not slow"``) and fails a test there that starts a node unmarked.
 
 Two guards against a hung run:
 
@@ -14,24 +16,33 @@ Two guards against a hung run:
   ``LifecycleNode``'s state machine (``OxygenNode.destroy_node`` destroys its own). Whatever is left is
   finalised by the garbage collector at an arbitrary moment of a later test, and destroying a DDS
   participant from there can wait forever on a participant-listener callback in flight (a hang seen in
-  CI). Every rclpy node is therefore tracked (weakly) from its creation; after each test, each module and
-  the session, a node created there whose rcl node is still held fails the test (an error at teardown,
-  naming the node and what holds it) after being destroyed explicitly — never by the collector. Detecting
-  only looks at the handles: it neither collects nor finalises.
-* A per-test watchdog (pytest.ini: pytest's ``faulthandler_timeout`` with ``faulthandler_exit_on_timeout``;
-  pytest-timeout is not a dependency): 900 s after a test started (setup, call and teardown), faulthandler,
-  from a C thread of its own (so also when the main thread spins holding the GIL), dumps every thread's
-  stack to stderr and ends the run with status 1 — a hang is a diagnosable failure, not a CI timeout. The
-  whole suite takes 6-8 min on 2 loaded cores; ``-o faulthandler_timeout=0`` disables the watchdog.
+  CI). Every rclpy node is therefore held (strongly: a node nobody else references any more, e.g. one whose
+  constructor raised after ``Node.__init__``, would otherwise be finalised by the collector before anyone
+  looked) from its creation until the end of the test, module or session that created it; there a node
+  whose rcl node is still held fails the test (an error at teardown, naming the node and what holds it)
+  after being destroyed explicitly — never by the collector. Detecting only looks at the handles: it
+  neither collects nor finalises. ``test/test_suite_guards.py`` checks that the guard fails.
+* A watchdog (pytest.ini: pytest's ``faulthandler_timeout`` with ``faulthandler_exit_on_timeout``):
+  ``faulthandler_timeout`` seconds after a test started (setup, call and teardown, so also the teardown of
+  module and session fixtures and the garbage collections that happen inside them), faulthandler, from a C
+  thread of its own (so also when the main thread spins holding the GIL, as it does inside a finaliser the
+  collector runs), dumps every thread's stack to stderr and ends the run with status 1 — a hang is a
+  diagnosable failure, not a CI timeout. pytest itself cancels that watchdog when a test fails (its
+  ``pytest_exception_interact`` hook) and only arms it around tests; the hooks below re-arm it for the rest
+  of a failing test (unless ``--pdb``) and arm it for collection and for the end of the session through the
+  interpreter's exit (``atexit``, the last collections, non-daemon threads). pytest-timeout is not used: its
+  ``thread`` method dumps from a Python thread, which cannot run while the main thread holds the GIL, and its
+  ``signal`` method runs its handler in the main thread, which is the one hung. ``-o
+  faulthandler_timeout=0`` disables the watchdog.
 """
 from __future__ import annotations
 
+import faulthandler
 import functools
 import gc
 import itertools
 import os
 import time
-import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -59,7 +70,9 @@ ROS_AVAILABLE = _ros_available()
 
 # ---- node leak guard (module docstring) ----------------------------------------------------------------
 
-_NODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # rclpy Node -> (serial, name, created in)
+# serial -> (rclpy Node, name, created in); held strongly until the check of the test, module or session that
+# created the node (the module docstring)
+_NODES: dict[int, tuple] = {}
 _SERIALS = itertools.count(1)
 _last_serial = 0         # the serial of the node created last
 _phase = "collection"    # the test (or fixture scope) that runs now: where a node was created
@@ -79,7 +92,7 @@ def _track_nodes() -> None:
         global _last_serial
         namespace = (kwargs.get("namespace") or "").rstrip("/")
         _last_serial = next(_SERIALS)
-        _NODES[self] = (_last_serial, f"{namespace}/{node_name}", _phase)
+        _NODES[_last_serial] = (self, f"{namespace}/{node_name}", _phase)
         original(self, node_name, *args, **kwargs)
 
     tracked_init._oxygen_tracked = True
@@ -122,10 +135,13 @@ def _holders(node) -> list[str]:
 def _release(node) -> list[str]:
     """Destroy what still holds ``node`` now (not at garbage collection); returns the errors met."""
     errors = []
+    from rclpy.node import Node
+
     steps = [getattr(w, "destroy", functools.partial(node.remove_waitable, w))
              for w in list(node.waitables)]
     if not _destroy_requested(node.handle):
-        steps.append(node.destroy_node)
+        # a subclass's destroy_node can fail on a half-built node (its constructor raised): then rclpy's own
+        steps.append(lambda: _first_that_works(node.destroy_node, functools.partial(Node.destroy_node, node)))
     machine = node.__dict__.get("_state_machine")
     if machine is not None:
         steps.append(machine.destroy_when_not_in_use)
@@ -137,12 +153,23 @@ def _release(node) -> list[str]:
     return errors
 
 
+def _first_that_works(*calls) -> None:
+    """Call ``calls`` in order until one returns; raise the first error when none does."""
+    errors = []
+    for call in calls:
+        try:
+            call()
+            return
+        except Exception as error:  # noqa: BLE001 - try the next one
+            errors.append(error)
+    raise errors[0]
+
+
 def _check_nodes(since: int, where: str) -> None:
     """Fail (after destroying them) when nodes created after serial ``since`` are not finalised."""
     leaks = []
-    for node, (serial, name, created_in) in list(_NODES.items()):
-        if serial <= since:
-            continue
+    for serial in [serial for serial in _NODES if serial > since]:
+        node, name, created_in = _NODES.pop(serial)
         held = _holders(node)
         if held:
             errors = _release(node)
@@ -179,11 +206,76 @@ def _nodes_destroyed_by_test(request):
     since = _last_serial
     _phase = request.node.nodeid
     yield
+    started = _last_serial - since
     _check_nodes(since, request.node.nodeid)
     _phase = f"module {request.module.__name__}'s fixtures"
+    if started and os.environ.get("OXYGEN_TEST_FAST") and "dds" not in request.node.keywords:
+        pytest.fail(f"{request.node.nodeid} started {started} rclpy node(s) but is not marked `dds`: `make test-fast` "
+                    "runs only tests without DDS nodes (pytest.ini's markers); mark it", pytrace=False)
 
 
+# ---- watchdog (module docstring) ------------------------------------------------------------------------
+
+_watch = {"fd": None, "started": 0.0}   # a copy of the real stderr; when the current test (or phase) started
+
+
+def _watchdog_timeout(config) -> float:
+    """pytest.ini's ``faulthandler_timeout`` [s]; 0 when disabled (also with ``-p no:faulthandler``)."""
+    try:
+        return float(config.getini("faulthandler_timeout") or 0.0)
+    except ValueError:
+        return 0.0
+
+
+def _arm_watchdog(config, seconds: float | None = None) -> None:
+    """Arm faulthandler's watchdog (pytest.ini's ``faulthandler_timeout`` / ``faulthandler_exit_on_timeout``) for
+    ``seconds`` (default: the whole timeout), replacing the one armed before; nothing when it is disabled."""
+    timeout = _watchdog_timeout(config)
+    if timeout <= 0 or _watch["fd"] is None:
+        return
+    faulthandler.dump_traceback_later(timeout if seconds is None else seconds, file=_watch["fd"],
+                                      exit=config.getini("faulthandler_exit_on_timeout"))
+
+
+def pytest_configure(config):
+    try:
+        _watch["fd"] = os.dup(2)     # output capture is suspended here: the real stderr
+    except OSError:
+        _watch["fd"] = None
+
+
+def pytest_sessionstart(session):
+    """Collection (imports of every test module) runs under the watchdog too."""
+    _watch["started"] = time.monotonic()
+    _arm_watchdog(session.config)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _watch["started"] = time.monotonic()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_exception_interact(node, call, report):
+    """pytest's faulthandler plugin cancels the watchdog as soon as a test fails (for a debugger); the rest of
+    that test, its teardown above all, stays under it here unless a debugger is in use."""
+    if node.config.getoption("usepdb", False):
+        return
+    _arm_watchdog(node.config, max(1.0, _watchdog_timeout(node.config) - (time.monotonic() - _watch["started"])))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    """From the end of the last test to the process's exit (the report, ``atexit``, the interpreter's last
+    garbage collections, non-daemon threads) under the watchdog; never cancelled: the exit ends its thread."""
+    _watch["started"] = time.monotonic()
+    _arm_watchdog(session.config)
+
+
+@pytest.hookimpl(tryfirst=True)     # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "ros_context" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.dds)     # its rclpy context is there to start nodes
     if ROS_AVAILABLE:
         return
     skip = pytest.mark.skip(reason="rclpy or the built oxygen_ros messages are not importable: run `make test`")

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.ros, pytest.mark.slow]
+pytestmark = [pytest.mark.ros, pytest.mark.dds, pytest.mark.slow]
 
 
 def test_short_demo_produces_chunks_speech_memory_and_a_readable_mcap(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import spin_until
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 
 def test_recorder_writes_every_topic_readable_field_for_field(ros_context, tmp_path):

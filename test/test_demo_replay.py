@@ -10,7 +10,7 @@ import pytest
 
 from conftest import spin_until
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 BAG = "bags/real_frames_mcap"
 

@@ -7,9 +7,12 @@ every row's bound is computed, and the deadline comparison reports the window th
 
 import json
 
+import pytest
+
 from oxygen_ros.bench import engine_bench
 
 
+@pytest.mark.slow     # every setting end to end (minutes on a loaded 2-core machine)
 def test_engine_bench_smoke(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert engine_bench.main(["--frames", "2", "--warmup", "1", "--n", "3", "--k", "1", "5",

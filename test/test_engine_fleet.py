@@ -79,6 +79,7 @@ def assert_same(robot, fleet_chunks, fleet_events, single):
         assert final[key].token_ids == event.token_ids, (robot, key)
 
 
+@pytest.mark.slow     # 6 fleet cycles of 3 robots and 3 single-robot runs, per mask: 40-197 s each at load 2-10
 @pytest.mark.parametrize("which", ["bidirectional", "causal"])
 def test_each_robot_equals_its_single_robot_engine(model, causal_model, which):
     """Three robots (different cameras, prompts, tasks, noise seeds; the same seq numbers) on one

@@ -12,6 +12,7 @@ import pytest
 from oxygen_ros.bench import fleet_bench
 
 
+@pytest.mark.slow     # every setting end to end (minutes on a loaded 2-core machine)
 def test_fleet_bench_smoke(tmp_path, capsys):
     out = tmp_path / "fleet.json"
     assert fleet_bench.main(["--robots", "1", "2", "--frames", "2", "--rounds", "2", "--n", "2", "--k", "1",

@@ -8,7 +8,7 @@ import pytest
 
 from node_support import Harness, tiny_parameters, wait_for
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 # One decode step per cycle and long utterances: a cancel lands while the request decodes.
 SETTINGS = {"control_rate_hz": 4.0, "engine.scheduling": "fixed_k", "engine.decode_steps_per_cycle": 1,

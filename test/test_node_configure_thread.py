@@ -15,7 +15,7 @@ import pytest
 
 from node_support import start_executable
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 
 def _call(executor, client, request, timeout: float = 20.0):

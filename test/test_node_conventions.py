@@ -177,6 +177,7 @@ def _round_trip(tmp_path, family, asset, joints, positions, extra):
     return harness, stats
 
 
+@pytest.mark.dds
 def test_aloha_round_trip_flips_converts_and_adds_the_delta_joints_back(tmp_path):
     # grippers 0.3 and 0.8 (ALOHA's normalised linear position), joints in rad
     positions = [0.1, -0.4, 0.6, -1.0, 0.3, 0.7, 0.3, -0.2, 0.5, -0.7, 1.2, -0.3, 0.0, 0.8]
@@ -212,6 +213,7 @@ def test_aloha_round_trip_flips_converts_and_adds_the_delta_joints_back(tmp_path
         harness.close()
 
 
+@pytest.mark.dds
 def test_droid_round_trip_unnormalises_and_slices_to_the_robot(tmp_path):
     positions = [0.2, -0.6, 0.1, -2.0, 0.05, 1.9, 0.7, 0.04]
     velocity_names = [f"fr3_joint{i}_velocity" for i in range(1, 8)] + ["gripper_position"]

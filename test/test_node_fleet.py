@@ -15,7 +15,7 @@ import pytest
 
 from node_support import RobotSide, assert_own_chunks, spinning_fleet, tiny_parameters, wait_for
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 ROBOTS = ("r1", "r2", "r3")
 _IDS = itertools.count(1)

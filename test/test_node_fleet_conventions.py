@@ -21,7 +21,7 @@ import pytest
 
 from node_support import JOINTS, RobotSide, assert_own_chunks, spinning_fleet, tiny_parameters
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 ALOHA_JOINTS = ["left_waist", "left_shoulder", "left_elbow", "left_forearm_roll", "left_wrist_angle",
                 "left_wrist_rotate", "left_gripper", "right_waist", "right_shoulder", "right_elbow",

@@ -26,7 +26,7 @@ import yaml
 
 from node_support import FLEET_EXECUTABLE, assert_own_chunks, executable_command, stop_process
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 HERE = Path(__file__).resolve().parent
 LONG = 900.0    # bounds a hang only: two processes import torch and rclpy, one loads the model, on a loaded machine

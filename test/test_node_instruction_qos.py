@@ -9,7 +9,7 @@ import pytest
 from conftest import spin_until
 from node_support import tiny_parameters
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 
 def test_latched_then_volatile_instruction(ros_context):

@@ -12,7 +12,7 @@ import pytest
 
 from node_support import Harness, tiny_parameters, wait_for
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 
 def _joint_state_reliability(harness) -> list:

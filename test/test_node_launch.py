@@ -13,7 +13,7 @@ import yaml
 
 from node_support import INSTALL_PREFIX, REPO_ROOT, flat_parameters, node_section
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 INSTALL_SHARE = INSTALL_PREFIX / "share" / "oxygen_ros"
 CONFIGS = sorted((REPO_ROOT / "config").glob("*.yaml"))

@@ -15,7 +15,7 @@ import pytest
 
 from node_support import JOINTS, Harness, start_executable, stop_process, tiny_parameters, wait_for
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 # Long utterances decoded a few tokens per cycle, so that a deactivation lands mid-decoding.
 DECODING = {"autostart": False, "control_rate_hz": 4.0, "engine.scheduling": "fixed_k",

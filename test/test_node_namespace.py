@@ -16,7 +16,7 @@ import yaml
 
 from node_support import REPO_ROOT, flat_parameters, node_section, start_executable
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 CONFIGS = sorted((REPO_ROOT / "config").glob("*.yaml"))
 

@@ -17,7 +17,7 @@ import pytest
 
 from node_support import Harness, tiny_parameters, wait_for
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 MEMORY_WORD = "zq"     # the memory prompt's marker: none of its tokens is in the action prompt
 INSTRUCTION = "pick up the red cube"

@@ -12,7 +12,7 @@ import pytest
 
 from node_support import EXECUTABLE, REPO_ROOT, tiny_parameters
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 TINY = REPO_ROOT / "config" / "pi05_tiny.yaml"
 

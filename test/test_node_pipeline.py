@@ -14,7 +14,7 @@ import pytest
 from oxygen_ros.engine.detokenizer import is_speakable
 from node_support import Harness, jpeg_image, publish_until, raw_image, tiny_parameters, wait_for
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 CONTROL_RATE_HZ = 4.0
 

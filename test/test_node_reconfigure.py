@@ -7,7 +7,7 @@ import pytest
 
 from node_support import JOINTS, Harness, tiny_parameters, wait_for
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 
 def _set(h: Harness, name: str, value):

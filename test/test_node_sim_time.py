@@ -7,7 +7,7 @@ import pytest
 
 from node_support import Harness, tiny_parameters, wait_for
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 SIM_START_S = 500.0   # simulated time, far from both the wall clock and the harness's frame stamps
 

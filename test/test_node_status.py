@@ -71,6 +71,7 @@ def _engine_status(d):
     return next(s for s in d.status if s.name.endswith(": engine"))
 
 
+@pytest.mark.dds
 def test_diagnostics_recover_after_a_bad_frame_and_tell_the_truth():
     """Over real DDS: a bad frame makes the inputs status WARN for its period, then OK again while frames
     keep coming; an absent optional camera is OK with a note; paused actions are shown; a deactivated
@@ -131,6 +132,7 @@ def test_diagnostics_recover_after_a_bad_frame_and_tell_the_truth():
         h.close()
 
 
+@pytest.mark.dds
 def test_topic_frequency_statuses_follow_each_input():
     """Over real DDS: one ``<topic> topic status`` per input topic in diagnostic_updater's FrequencyStatus
     form, every status with the hardware id; the scene camera's turns WARN when it stops (the joint states'
@@ -189,6 +191,7 @@ def test_topic_frequency_statuses_follow_each_input():
         h.close()
 
 
+@pytest.mark.dds
 def test_dropped_frames_count_camera_frames_only():
     """Over real DDS: a bad joint state and an empty instruction are counted in ~/status as
     dropped_joint_states and dropped_instructions, not as dropped_frames; a bad camera frame is."""

@@ -8,7 +8,7 @@ import pytest
 from oxygen_ros.engine.types import RequestStatus, TextEvent
 from node_support import Harness, tiny_parameters, wait_for
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 WITH_SUBTASK = "Task: {instruction}, Subtask: {subtask}, State: {state};\nAction: "
 

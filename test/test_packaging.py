@@ -8,9 +8,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow     # builds a wheel / a colcon workspace
 def test_wheel_holds_the_ros_free_library_and_its_console_scripts(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                     "--wheel-dir", str(tmp_path), str(REPO_ROOT)], check=True, capture_output=True)
@@ -28,6 +31,7 @@ def test_wheel_holds_the_ros_free_library_and_its_console_scripts(tmp_path):
     assert "rclpy" not in metadata
 
 
+@pytest.mark.slow     # builds a wheel / a colcon workspace
 def test_colcon_builds_the_repository_as_src_oxygen_ros_in_a_workspace(tmp_path):
     """The robot workflow: the repository cloned into <ws>/src/oxygen_ros, `colcon build` in <ws>."""
     import os

@@ -26,12 +26,9 @@ in a callback group of their own, and so are the ask / command services (oxygen_
 spinning thread (oxygen_ros/node/executor.py), so they answer while configure loads the model (a configure-time
 parameter is then refused with the reason, a dynamic one accepted).
 
-Another publisher of ~/action_chunk or ~/joint_trajectory (a duplicate node) is looked for on the graph at
-activate and every second (oxygen_ros/node/command_conflicts.py): refused or warned per command_conflict_policy.
-Time (oxygen_ros/node/time_checks.py): backwards jumps of the node clock or of camera stamps are counted and
-restart staleness, time triggers and waiting requests; nothing runs before the node clock starts.
-Services and actions (oxygen_ros/node/commands.py): ~/ask (oxygen_ros/action/Ask: one language output on
-request), ~/pause_actions and ~/resume_actions (withhold / restore the action outputs), ~/set_instruction.
+Also: duplicate publishers of the command topics (node/command_conflicts.py), time checks
+(node/time_checks.py: backwards jumps counted; nothing runs before the clock starts), ~/ask and the
+command services (node/commands.py).
 """
 
 from __future__ import annotations
@@ -108,13 +105,16 @@ class OxygenNode(ManagedNode):
         # diagnostics' period figures: drops reported, when the status was last published
         self._drops_reported: dict[str, int] = {}
         self._status_published_at = time.perf_counter()
-        # Raises InvalidParameterTypeException / InvalidParameterValueException for a value of the wrong
-        # type or out of range (overrides, a params file): rclpy checks them at declaration.
-        # ~/ask, ~/pause_actions, ~/resume_actions, ~/set_instruction (oxygen_ros/node/commands.py); before
-        # the parameters, so that a node whose declaration fails can still be destroyed
+        # ~/ask and the command services (node/commands.py) come before the parameters, whose declaration raises
+        # for a value of the wrong type or range: the node is then destroyed here, not left to the garbage
+        # collector (as the context's last node it would take the DDS participant down inside a collection)
         self._commands = Commands(self)
         self._conflicts = CommandConflicts(self)    # other publishers of ~/action_chunk, ~/joint_trajectory
-        declare_parameters(self)
+        try:
+            declare_parameters(self)
+        except BaseException:
+            self.destroy_node()
+            raise
         self._start_up(self.get_parameter("autostart").value)
 
     def _log_error(self, message: str) -> None:
