@@ -9,7 +9,7 @@ import pytest
 
 from node_support import Harness, tiny_parameters, wait_for
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 
 @pytest.fixture(scope="module")

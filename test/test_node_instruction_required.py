@@ -9,7 +9,7 @@ import pytest
 
 from node_support import Harness, tiny_parameters, wait_for
 
-pytestmark = pytest.mark.ros
+pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
 SETTINGS = {"default_instruction": "", "control_rate_hz": 4.0, "speech.max_new_tokens": 4,
             "memory.max_new_tokens": 4}
