@@ -75,6 +75,23 @@ def test_settings_come_from_a_plain_mapping_as_from_the_node(ros_context):
         settings_from_values(dict(values, joint_names=[]))
 
 
+def test_real_time_chunking_parameters_reach_the_engine():
+    """The rtc.* parameters become the engine's EngineConfig.rtc, its action step the node's action_dt_s (the
+    parameter, else the family's); off by default."""
+    from oxygen_ros.node.parameters import settings_from_values
+
+    values = {p.name: p.value for p in tiny_parameters(autostart=False)}
+    assert not settings_from_values(values).engine.rtc.enabled
+    settings = settings_from_values(dict(values, **{"rtc.enabled": True, "rtc.delay_mode": "fixed",
+                                                    "rtc.fixed_delay_steps": 3, "rtc.schedule": "exp",
+                                                    "action_dt_s": 0.02}))
+    rtc = settings.engine.rtc
+    assert (rtc.enabled, rtc.delay_mode, rtc.fixed_delay_steps, rtc.schedule) == (True, "fixed", 3, "exp")
+    assert rtc.action_dt_s == settings.action_dt_s == 0.02
+    with pytest.raises(ValueError, match="rtc.schedule"):
+        settings_from_values(dict(values, **{"rtc.schedule": "cosine"}))
+
+
 def test_unknown_camera_slot_fails_listing_the_valid_slots(ros_context):
     node, ok = _configure(ros_context, camera_slots=["foo_rgb", "left_wrist_0_rgb"])
     try:

@@ -373,7 +373,8 @@ class RTCConfig:
     warmup_cycles: int = knob(2, "first measured delays ignored (one-time costs: lazy initialisation, caches)",
                               low=0, high=100_000)
     action_dt_s: float = knob(0.0, "the time between consecutive actions of a chunk (the control step the delay "
-                              "is counted in); required > 0 when enabled", unit="s", low=0.0, high=60.0)
+                              "is counted in); required > 0 when enabled (the node: its action_dt_s)", unit="s",
+                              low=0.0, high=60.0, exposed=False)
 
     def __post_init__(self) -> None:
         _validate(self, "rtc.")
@@ -424,7 +425,7 @@ class EngineConfig:
                                          "concatenates cameras in this order (the node: from camera_slots)",
                                          exposed=False)
     action: ActionTaskConfig = knob(doc="the action task", factory=ActionTaskConfig)
-    rtc: RTCConfig = knob(doc="real-time chunking of the action task", factory=RTCConfig, exposed=False)
+    rtc: RTCConfig = knob(doc="real-time chunking of the action task", factory=RTCConfig)
     language_tasks: tuple[TaskConfig, ...] = knob((), "the language tasks, unique names", exposed=False)
     max_batch_size: int = knob(64, "most language requests advanced by one batched decode step",
                                low=1, high=4096)
@@ -507,4 +508,5 @@ class EngineConfig:
 
 
 # Field annotations that are nested configurations (flattened by :func:`leaves`).
-_NESTED = {"TriggerConfig": TriggerConfig, "SamplingConfig": SamplingConfig, "ActionTaskConfig": ActionTaskConfig}
+_NESTED = {"TriggerConfig": TriggerConfig, "SamplingConfig": SamplingConfig, "ActionTaskConfig": ActionTaskConfig,
+           "RTCConfig": RTCConfig}

@@ -177,9 +177,9 @@ class Engine:
         """Real-time chunking: a chunk's measured inference delay (s from its observation's stamp to the chunk
         ready, in the robot's clock: simulated time counts simulated steps), for the estimate of the next
         cycles' delay ``d`` (``realtime.py``). Without any, the engine's own wall-clock measurements are used.
-        Raises ValueError for a negative or non-finite delay."""
-        with self._lock:
-            self._robot.delays.observe(delay_s)
+        Any thread, also from ``on_action`` inside :meth:`run_cycle`. Raises ValueError for a negative or
+        non-finite delay."""
+        self._robot.delays.observe(delay_s)
 
     @property
     def rtc_counts(self) -> dict[str, int]:

@@ -173,8 +173,14 @@ class ControlCycle:
         self._seq += 1
         ready.observation.tag = ObservationTag(ready.stamp, ready.observation.instruction, ready.camera_slots)
         actions = self._actions
-        result = engine.run_cycle(ready.observation, deadline,
-                                  on_action=lambda chunk: actions.publish(chunk, output_tag(chunk).stamp))
+
+        def on_action(chunk) -> None:
+            actions.publish(chunk, output_tag(chunk).stamp)
+            # real-time chunking's inference delay: observation stamp -> chunk out, in the node's clock (simulated
+            # time under use_sim_time)
+            engine.observe_delay(max(0.0, self._now()[1] - chunk.stamp))
+
+        result = engine.run_cycle(ready.observation, deadline, on_action=on_action)
         dropped = sum(1 for e in result.text_events if e.final and e.status == RequestStatus.DROPPED)
         self._language.publish(result.text_events)
         active = engine.active_requests

@@ -212,11 +212,18 @@ LANGUAGE_TASKS: dict[str, dict[str, Any]] = {
 _PLACED = {("cuda_graphs",): "cuda_graphs"}
 
 
+# The time between a chunk's actions when neither the parameter action_dt_s nor the family gives one [s].
+DEFAULT_ACTION_DT_S = 0.05
+
+
 def _engine_declarations() -> Iterator[Declaration]:
     """The parameters that are fields of the engine's configuration (see the module docstring)."""
     for leaf in leaves(EngineConfig):
         if leaf.path[0] == "action":
             yield Declaration(leaf.path[-1], leaf.default, leaf.knob, _ACTION, leaf.path)
+        elif leaf.path[0] == "rtc":
+            yield Declaration("rtc." + ".".join(leaf.path[1:]), leaf.default, leaf.knob, "Real-time chunking",
+                              leaf.path)
         elif leaf.path in _PLACED:
             yield Declaration(_PLACED[leaf.path], leaf.default, leaf.knob, _MODEL, leaf.path)
         else:
@@ -410,7 +417,8 @@ def engine_mapping(values: dict[str, Any], conventions: Conventions, camera_slot
     and kind, the cameras' slots, and the family's prompts (the action prompt, and the language prompt
     for a task whose ``prompt_template`` is empty)."""
     data: dict[str, Any] = {"camera_slots": list(camera_slots),
-                            "action": {"prompt_template": conventions.action_prompt.template}}
+                            "action": {"prompt_template": conventions.action_prompt.template},
+                            "rtc": {"action_dt_s": conventions.action_dt_s or DEFAULT_ACTION_DT_S}}
     tasks: dict[str, dict] = {task: {"name": task, "kind": LANGUAGE_TASKS[task]["kind"]}
                               for task in LANGUAGE_TASKS if values[f"{task}.enabled"]}
     for declaration in DECLARATIONS.values():
@@ -521,7 +529,7 @@ def settings_from_values(values: Mapping[str, Any], log: Callable[[str], None] |
         tokenizer_path=v["tokenizer_path"], norm_stats_path=v["norm_stats_path"], conventions=conventions,
         device=v["device"], dtype=v["dtype"], seed=int(v["seed"]),
         joint_names=joint_names, action_dim=action_dim,
-        action_dt_s=conventions.action_dt_s or 0.05, action_names=action_names, cameras=cameras,
+        action_dt_s=conventions.action_dt_s or DEFAULT_ACTION_DT_S, action_names=action_names, cameras=cameras,
         instruction_topic=v["instruction_topic"],
         default_instruction=v["default_instruction"] or conventions.default_prompt or "",
         joint_states_topic=v["joint_states_topic"], joint_states_reliability=v["joint_states_reliability"],
