@@ -14,14 +14,15 @@ pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 def test_the_node_guides_chunks_once_it_has_measured_the_delay():
     from std_msgs.msg import String
 
-    h = Harness(tiny_parameters(**{"rtc.enabled": True, "rtc.warmup_cycles": 1, "action_dt_s": 0.02,
+    # a chunk of the tiny preset's 10 actions spans 2 s at 0.2 s per action: longer than a cycle, even loaded
+    h = Harness(tiny_parameters(**{"rtc.enabled": True, "rtc.warmup_cycles": 1, "action_dt_s": 0.2,
                                    "rtc.execution_horizon": 10}))
     try:
         h.instruction.publish(String(data="stack the blocks"))
         assert wait_for(lambda: h.node.lifecycle_state == "active", 120.0), "autostart did not reach active"
         assert h.chunks_flow(timeout=60.0, n=6)
         engine = h.node.engine
-        assert engine.config.rtc.enabled and engine.config.rtc.action_dt_s == 0.02
+        assert engine.config.rtc.enabled and engine.config.rtc.action_dt_s == 0.2
         counts = engine.rtc_counts
         # plain only for the first chunk and while the delay estimate warms up (the caller's first delay is
         # ignored, so the second chunk has none yet); never for a reason that would mean lost state
