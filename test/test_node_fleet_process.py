@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node_support import FLEET_EXECUTABLE, assert_own_chunks, executable_command, stop_process
+from node_support import FLEET_EXECUTABLE, TEST_INSTRUCTION, assert_own_chunks, executable_command, stop_process
 
 pytestmark = [pytest.mark.ros, pytest.mark.dds]     # starts nodes
 
@@ -42,9 +42,11 @@ def _robot_command(out: Path, namespaces: list[str]) -> list[str]:
 def _server_command(tmp_path: Path, namespaces: list[str]) -> list[str]:
     """``oxygen_fleet_node`` as docs/fleet.md runs it: the robots' params file and the fleet's own."""
     fleet = tmp_path / "fleet.yaml"
-    # two robots' shares (config/pi05_tiny.yaml: engine.kv_budget_mb 16) in the fleet's pool
+    # two robots' shares (config/pi05_tiny.yaml: engine.kv_budget_mb 16) in the fleet's pool; the robots get a
+    # default instruction (nothing moves, and no ~/ask goal is taken, without a task)
     fleet.write_text(yaml.safe_dump({"oxygen_fleet": {"ros__parameters": {"robots": namespaces,
-                                                                          "kv_budget_mb": 48}}}))
+                                                                          "kv_budget_mb": 48}},
+                                     "/**/oxygen_node": {"ros__parameters": {"default_instruction": TEST_INSTRUCTION}}}))
     return executable_command(executable=FLEET_EXECUTABLE) + ["--params-file", str(fleet)]
 
 
