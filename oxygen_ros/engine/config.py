@@ -140,14 +140,16 @@ def _validate(config: Any, prefix: str) -> None:
 PROMPT_FIELDS = ("instruction", "state", "split")
 
 
-def check_template(template: str, where: str, extra_fields: tuple[str, ...] = ()) -> None:
-    """Refuse a prompt template the prompt builder (``str.format``) would fail on at run time.
+def check_template(template: str, where: str, extra_fields: tuple[str, ...] = (),
+                   required: tuple[str, ...] = ("instruction",)) -> None:
+    """Refuse a prompt template the prompt builder (``str.format``) would fail on at run time, or that lacks a
+    field it must have.
 
     Raises:
-        ValueError: unbalanced braces, a field other than ``{instruction}``, ``{state}``, ``{split}`` and
-            ``extra_fields`` (positional ``{}`` and attribute or index access included), a field with a format
-            spec or conversion (``{state:>9}``, ``{instruction!r}``), or no ``{instruction}`` field (``{{instruction}}``
-            is literal text); the message names ``where`` and the fault.
+        ValueError: unbalanced braces; a ``required`` field missing (``{{instruction}}`` is literal text, not
+            the field); a field other than ``{instruction}``, ``{state}``, ``{split}`` and ``extra_fields``
+            (positional ``{}`` and attribute or index access included); a field with a format spec or
+            conversion (``{state:>9}``, ``{instruction!r}``). The message names ``where`` and the fault.
     """
     allowed = PROMPT_FIELDS + extra_fields
     try:
@@ -155,7 +157,11 @@ def check_template(template: str, where: str, extra_fields: tuple[str, ...] = ()
                    if name is not None]
     except ValueError as error:
         raise ValueError(f"{where} {template!r} is not a valid template: {error}") from None
-    unknown = sorted({name for name, _, _ in fields_ if name not in allowed})
+    names = [name for name, _, _ in fields_]
+    missing = [f"{{{name}}}" for name in required if name not in names]
+    if missing:
+        raise ValueError(f"{where} must contain {' and '.join(missing)}, got {template!r}")
+    unknown = sorted({name for name in names if name not in allowed})
     if unknown:
         raise ValueError(f"{where} {template!r} has unknown field(s) "
                          f"{', '.join('{' + name + '}' for name in unknown)}; allowed: "
@@ -164,8 +170,6 @@ def check_template(template: str, where: str, extra_fields: tuple[str, ...] = ()
     if formatted:
         raise ValueError(f"{where} {template!r}: a field takes no format spec or conversion "
                          f"(write {{{formatted[0]}}} alone)")
-    if "instruction" not in [name for name, _, _ in fields_]:
-        raise ValueError(f"{where} {template!r} has no {{instruction}} field ({{{{instruction}}}} is literal text)")
 
 
 def _check_keys(cls: type, data: Mapping[str, Any], where: str) -> None:
@@ -271,18 +275,13 @@ class ActionTaskConfig:
         "before a subtask, and after a new instruction, the action prompt is the family's")
 
     def __post_init__(self) -> None:
-        if "{instruction}" not in self.prompt_template:
-            raise ValueError("action.prompt_template must contain {instruction}")
         check_template(self.prompt_template, "action.prompt_template")
         if self.subtask_task and not self.subtask_prompt_template:
             raise ValueError(f"action.subtask_task is {self.subtask_task!r} but action.subtask_prompt_template is "
                              "empty: give the action prompt with {subtask} used once a subtask exists")
         if self.subtask_prompt_template:
-            missing = [f for f in ("{instruction}", "{subtask}") if f not in self.subtask_prompt_template]
-            if missing:
-                raise ValueError(f"action.subtask_prompt_template must contain {' and '.join(missing)}, got "
-                                 f"{self.subtask_prompt_template!r}")
-            check_template(self.subtask_prompt_template, "action.subtask_prompt_template", ("subtask",))
+            check_template(self.subtask_prompt_template, "action.subtask_prompt_template", ("subtask",),
+                           ("instruction", "subtask"))
         _validate(self, "action.")
 
     @property
@@ -323,8 +322,6 @@ class TaskConfig:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("language task: name must be non-empty")
-        if "{instruction}" not in self.prompt_template:
-            raise ValueError(f"{self.name}.prompt_template must contain {{instruction}}")
         check_template(self.prompt_template, f"{self.name}.prompt_template")
         _validate(self, f"{self.name}.")
 

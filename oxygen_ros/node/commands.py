@@ -171,8 +171,6 @@ class Commands:
             return ("the node has no instruction yet, so no control cycle runs (publish one on the instruction "
                     "topic, call ~/set_instruction or set default_instruction)")
         if goal.prompt_template:
-            if "{instruction}" not in goal.prompt_template:
-                return "prompt_template must contain {instruction}"
             try:
                 check_template(goal.prompt_template, "prompt_template")
             except ValueError as error:
