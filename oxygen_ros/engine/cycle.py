@@ -231,9 +231,9 @@ class ControlLoop:
         with meter.phase("encode_s"):
             encoded = runner.encode_groups([(robot.io, frames[robot.id].images) for robot in robots])
         features = {robot.id: f for robot, f in zip(robots, encoded)}
-        jobs = [self.mode.action_job(robot.id, frames[robot.id].obs.seq, frames[robot.id].mask,
-                                     frames[robot.id].action_ids, features[robot.id], frames[robot.id].requests)
-                for robot in robots]
+        jobs = [self.mode.action_job(robot.id, frame.obs.seq, frame.mask, frame.action_ids, features[robot.id],
+                                     frame.requests)
+                for robot, frame in zip(robots, frames.values())]
         nodes = self.core.planner.nodes(jobs, meter)
         groups: dict[tuple[int, bool, float], list[int]] = {}
         states, noises, plans = [], [], {}
@@ -269,7 +269,7 @@ class ControlLoop:
             if plan is not None:
                 robot.in_flight = ChunkInFlight(actions[i].detach().float().cpu().clone(), obs.stamp, obs.seq)
                 robot.delays.observe_own(chunk.latency_s)
-            if self.mode.drops_action_prefix():
+            if not self.mode.shares_prefixes:
                 self.core.planner.tree.clear()
             if on_action is not None:
                 on_action(robot.id, chunk)
@@ -351,7 +351,7 @@ class ControlLoop:
                     if request.status != RequestStatus.RUNNING:
                         break
                     self._step([(robot, request)], meter)
-                if self.mode.drops_request_prefix():
+                if not self.mode.shares_prefixes:
                     self.core.planner.tree.clear()
 
     def _start(self, plans: list[tuple[RobotState, AdmissionPlan]], meter: CycleMeter) -> None:

@@ -41,6 +41,9 @@ class ModePolicy:
 
     #: admitted requests decode to their end one at a time (True), or in batches within a budget
     decodes_to_completion = True
+    #: prefixes stay in the cycle's tree for the cycle's other tasks (False: the tree is cleared after the action
+    #: chunk and after each request, so nothing is shared)
+    shares_prefixes = True
 
     def __init__(self, config: EngineConfig, planner: PrefixPlanner):
         self.config = config
@@ -54,10 +57,6 @@ class ModePolicy:
         logits, pooled = self.planner.needs(path, requests)
         return PrefixJob(path, features, action_ids, logits, pooled)
 
-    def drops_action_prefix(self) -> bool:
-        """Whether the cycle's prefix tree is cleared once the action chunk is out (nothing shared)."""
-        return False
-
     def keep_inputs(self, request: Request, images: list[np.ndarray], features: torch.Tensor) -> None:
         """What a new request keeps until it is prefilled: the frame's shared vision encoding."""
         request.image_features = features
@@ -70,10 +69,6 @@ class ModePolicy:
         """The prefix job that starts ``request``; ``features``: its own vision encoding when it kept its
         images (:meth:`keep_inputs`), else None; ``candidates``: the robot's active requests."""
         return self.planner.job(request, candidates)
-
-    def drops_request_prefix(self) -> bool:
-        """Whether the prefix tree is cleared after each request decoded to its end."""
-        return False
 
     def admission_budget(self, estimator: StepCostEstimator, deadline: float) -> float:
         """Prefill tokens the slack before ``deadline`` (a ``time.perf_counter()`` instant) pays for."""
@@ -98,11 +93,10 @@ class SharedPrefixMode(ModePolicy):
 class IsolatedMode(ModePolicy):
     """Nothing shared: private prefixes, one vision call per task, the tree dropped after each."""
 
+    shares_prefixes = False
+
     def action_job(self, robot, obs_seq, mask, action_ids, features, requests) -> PrefixJob:
         return PrefixJob((("isolated-action", robot, obs_seq),), features, action_ids, False, False)
-
-    def drops_action_prefix(self) -> bool:
-        return True
 
     def keep_inputs(self, request, images, features) -> None:
         request.images = images       # each request runs its own vision encoding
@@ -114,8 +108,6 @@ class IsolatedMode(ModePolicy):
         return PrefixJob((("isolated", request.robot, request.request_id),), features,
                          tuple(request.prompt_ids), True, request.task.kind == "memory")
 
-    def drops_request_prefix(self) -> bool:
-        return True
 
 
 class UnifiedMode(ModePolicy):
