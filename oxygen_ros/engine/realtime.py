@@ -47,6 +47,24 @@ class ChunkInFlight:
     seq: int
 
 
+class _RecentDelays:
+    """One source's measured delays: the first ``warmup_cycles`` ignored, the last ``delay_window`` kept."""
+
+    def __init__(self, config: RTCConfig):
+        self._warmup = config.warmup_cycles
+        self._kept: deque[float] = deque(maxlen=config.delay_window)
+        self.seen = 0
+
+    def add(self, delay_s: float) -> None:
+        self.seen += 1
+        if self.seen > self._warmup:
+            self._kept.append(delay_s)
+
+    @property
+    def maximum(self) -> float | None:
+        return max(self._kept) if self._kept else None
+
+
 class DelayEstimator:
     """The inference delay ``d`` in control steps of one robot, from measured delays (observation stamp →
     chunk ready, seconds in the robot's clock).
@@ -60,31 +78,24 @@ class DelayEstimator:
 
     def __init__(self, config: RTCConfig):
         self._config = config
-        self._external: deque[float] = deque(maxlen=config.delay_window)
-        self._own: deque[float] = deque(maxlen=config.delay_window)
-        self._seen_external = 0
-        self._seen_own = 0
+        self._external = _RecentDelays(config)
+        self._own = _RecentDelays(config)
 
     def observe(self, delay_s: float) -> None:
         """A measured delay (s) of one chunk from the caller's clock; from the first one on, only these count.
         Raises ValueError for a negative or non-finite delay."""
         if not (math.isfinite(delay_s) and delay_s >= 0):
             raise ValueError(f"an inference delay must be finite and >= 0 s, got {delay_s}")
-        self._seen_external += 1
-        if self._seen_external > self._config.warmup_cycles:
-            self._external.append(delay_s)
+        self._external.add(delay_s)
 
     def observe_own(self, delay_s: float) -> None:
         """The engine's own measurement of one chunk (s, wall clock from the cycle's start)."""
-        self._seen_own += 1
-        if self._seen_own > self._config.warmup_cycles:
-            self._own.append(delay_s)
+        self._own.add(delay_s)
 
     @property
     def delay_s(self) -> float | None:
         """The robust recent maximum (s) the estimate is built from, None while warming up."""
-        samples = self._external if self._seen_external else self._own
-        return max(samples) if samples else None
+        return (self._external if self._external.seen else self._own).maximum
 
     def steps(self) -> int | None:
         """d in control steps (module docstring), or None while unknown."""
