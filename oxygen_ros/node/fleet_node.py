@@ -148,8 +148,7 @@ class FleetNode(Node):
         then fails (its configure names another model than the fleet serves, its share does not fit, ...),
         the node is removed again with nothing left of it, the reason logged (:meth:`add_robot_async`
         reports it to the caller)."""
-        ok, message, _ = self._start_robot(robot)
-        return ok, message
+        return self._start_robot(robot)
 
     def add_robot_async(self, robot: str) -> Future:
         """:meth:`add_robot`, the outcome known once the robot's autostart has ended: a Future (done on this
@@ -157,37 +156,33 @@ class FleetNode(Node):
         ``autostart`` off, started unconfigured) and a failure's message carries the reason (its configure
         error), the robot not served and nothing of it kept, so a corrected retry succeeds."""
         future = Future(executor=self._executor)
-        ok, message, node = self._start_robot(robot)
+        ok, message = self._start_robot(robot, future)
         if not ok:
             future.set_result((False, message))
-            return future
-        robot = _absolute(robot)
-
-        def ended() -> None:     # on the transition's thread: settled on the executor
-            self._executor.create_task(self._settle_autostart, robot, node, message, future)
-
-        node.when_autostarted(ended)
         return future
 
-    def _start_robot(self, robot: str) -> tuple[bool, str, OxygenNode | None]:
+    def _start_robot(self, robot: str, future: Future | None = None) -> tuple[bool, str]:
+        """Start ``robot``'s node; once its autostart has ended, :meth:`_settle_autostart` (on the executor,
+        the transition's thread only hands it over) removes it if that failed and gives ``future`` the outcome."""
         if not _NAMESPACE.match(robot or ""):
-            return False, f"invalid robot namespace {robot!r}", None
+            return False, f"invalid robot namespace {robot!r}"
         robot = _absolute(robot)
         with self._lock:
             if self._executor is None:
-                return False, "the fleet node is not spinning yet", None
+                return False, "the fleet node is not spinning yet"
             if robot in self._nodes:
-                return False, f"robot {robot} is already served", None
+                return False, f"robot {robot} is already served"
             overrides = self._robot_parameters(robot) if self._robot_parameters else []
             try:
                 node = OxygenNode(namespace=robot, context=self.context, parameter_overrides=overrides,
                                   engine_builder=lambda settings, robot=robot: self._engine_for(robot, settings))
             except (InvalidParameterTypeException, InvalidParameterValueException) as error:
-                return False, f"robot {robot}: invalid parameter: {_error_line(error)}", None
+                return False, f"robot {robot}: invalid parameter: {_error_line(error)}"
             self._nodes[robot] = node
         self._executor.add_node(node)
-        node.when_autostarted(lambda: self._executor.create_task(self._settle_autostart, robot, node))
-        return True, f"robot {robot} added: {node.get_fully_qualified_name()}", node
+        added = f"robot {robot} added: {node.get_fully_qualified_name()}"
+        node.when_autostarted(lambda: self._executor.create_task(self._settle_autostart, robot, node, added, future))
+        return True, added
 
     def _settle_autostart(self, robot: str, node: OxygenNode, added: str | None = None,
                           future: Future | None = None) -> None:
