@@ -143,3 +143,23 @@ def test_returned_action_is_a_copy():
     action = executor.action_at(0.0)
     action[:] = 9.0                                  # nor does changing what was returned
     np.testing.assert_array_equal(executor.action_at(0.0), np.zeros(2))
+
+
+def test_seam_is_the_switch_jump_of_position_and_velocity_and_keeps_nothing():
+    # old chunk: a ramp 0, 0.1, 0.2, ... (5 rad/s at dt 0.02); new chunk from t = 0.1 (5 actions later):
+    # the same ramp shifted up by 0.3 with twice the slope
+    dt = 0.02
+    old = np.arange(20, dtype=np.float64)[:, None] * 0.1
+    new = 0.3 + 0.5 + np.arange(20, dtype=np.float64)[:, None] * 0.2
+    executor = ChunkExecutor(index_rule="round")
+    assert executor.seam(0.1, 0.1, dt, new) is None            # nothing in flight: no switch
+    executor.add(0.0, dt, old)
+    # switch at t = 0.14: new action 2 (0.8 + 0.4 = 1.2) against old action 7 (0.7)
+    position, velocity = executor.seam(0.14, 0.1, dt, new)
+    assert position == pytest.approx([0.5]) and velocity == pytest.approx([(0.2 - 0.1) / dt])
+    assert executor.action_at(0.14) == pytest.approx([0.7])    # the new chunk was not kept
+    # a continuation of the old chunk makes no seam
+    position, velocity = executor.seam(0.14, 0.1, dt, old[5:])
+    assert position == pytest.approx([0.0]) and velocity == pytest.approx([0.0])
+    # an older chunk than the kept one would not be kept (newest wins): no seam
+    assert executor.seam(0.14, -0.1, dt, new) is None

@@ -246,3 +246,40 @@ def test_contact_sheet_times_cover_the_whole_episode(evaluate):
     assert evaluate.sheet_times(990) == (0.0, 4.0, 8.0, 12.0, 16.0, 19.6)       # 19.8 s: every 4 s
     assert evaluate.sheet_times(300) == (0.0, 2.0, 4.0, 5.8)                    # 6 s
     assert evaluate.sheet_times(50) == (0.0, 0.8)                               # 1 s
+
+
+def test_runs_cross_the_execution_schemes_with_the_injected_delays(evaluate, tmp_path, capsys):
+    from oxygen_ros.tools.evaluate.conditions import plan_runs
+
+    args = _args(evaluate, tmp_path, "--conditions", "expert,sync,node-realtime", "--chunking", "newest,rtc",
+                 "--delays", "20,0")
+    runs = {run.name: run for run in plan_runs(args)}
+    assert list(runs) == ["node-realtime/newest/d0", "node-realtime/rtc/d0", "sync/newest/d0", "sync/newest/d20",
+                          "sync/rtc/d0", "sync/rtc/d20", "expert/newest/d0", "expert/newest/d20"]
+    # the paper's lockstep: s = max(--execute-steps, d) actions per chunk, guidance toward the whole overlap H - s
+    rtc = runs["sync/rtc/d20"]
+    assert rtc.execute_steps == 20 and rtc.delay_steps == 20 and rtc.ensemble_m == 0.0
+    assert rtc.params == {"rtc.enabled": True, "rtc.execution_horizon": 30, "rtc.delay_mode": "fixed",
+                          "rtc.fixed_delay_steps": 20}
+    assert runs["sync/newest/d0"].params == {} and runs["sync/newest/d0"].execute_steps == 10
+    # in real time the delay is measured; a chunk every 1 / (3 Hz * 20 ms) ~ 17 steps
+    assert runs["node-realtime/rtc/d0"].params == {"rtc.enabled": True, "rtc.execution_horizon": 33,
+                                                   "rtc.delay_mode": "auto"}
+    assert [r.name for r in plan_runs(_args(evaluate, tmp_path, "--conditions", "sync"))] == ["sync"]
+    ensemble = plan_runs(_args(evaluate, tmp_path, "--conditions", "sync", "--chunking", "ensemble"))[0]
+    assert ensemble.ensemble_m == 0.01 and ensemble.name == "sync"
+    for extra in (["--chunking", "fastest"], ["--delays", "-1"], ["--delays", "five"]):
+        with pytest.raises(SystemExit):
+            evaluate.parse_args(["--checkpoint", "", "--conditions", "sync", *extra])
+    assert "--delays must be integers" in capsys.readouterr().err
+
+
+def test_an_injected_delay_keeps_the_old_chunk_for_d_steps_and_switches_at_action_d(evaluate):
+    # The expert's chunks are cuts of one trajectory: executed from action d on after d steps of the previous
+    # chunk, every switch continues the motion exactly (seam 0); before the first chunk the robot holds.
+    record = evaluate.run_sync_episode(evaluate.ExpertPolicy(), SEED, execute_steps=10, max_steps=60, delay_steps=5)
+    assert record["delay_steps"] == 5 and record["chunks"] == 6
+    assert len(record["seams"]) == 5
+    assert all(position == 0.0 and velocity == 0.0 for position, velocity, _ in record["seams"]), record["seams"]
+    with pytest.raises(ValueError, match="delay_steps"):
+        evaluate.run_sync_episode(evaluate.ExpertPolicy(), SEED, execute_steps=10, max_steps=20, delay_steps=11)

@@ -43,6 +43,8 @@ def _filled(name: str):
             value = 1.5 + index
         elif ros_type in ("uint8", "uint32", "uint64"):
             value = index + 2
+        elif ros_type in ("int32", "int64"):
+            value = -(index + 2)
         else:
             raise AssertionError(f"{name}.{field}: no test value for type {ros_type}")
         setattr(message, field, value)

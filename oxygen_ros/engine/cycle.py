@@ -167,7 +167,9 @@ class ControlLoop:
         return time.perf_counter() - t0
 
     def drain(self, robot: RobotState) -> None:
-        """Run every waiting and running request of ``robot`` to its end, with no deadline (a flush)."""
+        """Run every waiting and running request of ``robot`` to its end, with no deadline (a flush); the
+        robot's chunk in flight is forgotten (its next chunk is a first one for real-time chunking)."""
+        robot.in_flight = None
         meter = self.meter()
         scheduler = robot.scheduler
         while scheduler.active:

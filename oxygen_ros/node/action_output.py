@@ -44,6 +44,8 @@ class ActionDecision:
         publish_chunk: whether the ActionChunk is published.
         trajectory_stamp: the JointTrajectory's header stamp (zero: executed on receipt); None when no
             JointTrajectory goes out (withheld, or ``publish_trajectory`` is off).
+        trajectory_first: the chunk's first action in the JointTrajectory (``takeover``: the real-time-chunking
+            delay d of a guided chunk, else 0).
         reasons: why the output differs from the chunk as computed (``paused``, ``command_conflict``,
             ``non_finite_actions``, ``limited_actions``, ``expired_chunks``, ``expired_trajectories``);
             empty when it goes out unchanged.
@@ -53,6 +55,7 @@ class ActionDecision:
     publish_chunk: bool
     trajectory_stamp: Time | None
     reasons: tuple[str, ...] = ()
+    trajectory_first: int = 0
 
 
 def _withheld(reason: str) -> ActionDecision:
@@ -153,17 +156,24 @@ class ActionOutput:
         if not settings.publish_trajectory:
             return ActionDecision(chunk, publish_chunk, None, tuple(reasons))
         trajectory_stamp: Time | None = Time()
-        if settings.trajectory_stamp_policy == "observation":
+        first = 0
+        if settings.trajectory_stamp_policy in ("observation", "takeover"):
             late = expired_by(stamp_s, horizon * dt - margin, now_s)
             if late is None:
                 trajectory_stamp = stamp
+                if settings.trajectory_stamp_policy == "takeover" and 0 < chunk.rtc_delay_steps < horizon:
+                    # from the action that takes over from the chunk in flight, at its time: the controller keeps
+                    # the previous trajectory's (frozen) actions until then
+                    first = chunk.rtc_delay_steps
+                    nanoseconds = stamp.sec * 1_000_000_000 + stamp.nanosec + round(first * dt * 1e9)
+                    trajectory_stamp = Time(sec=nanoseconds // 1_000_000_000, nanosec=nanoseconds % 1_000_000_000)
             else:
                 self._status.record_event("expired_trajectories", f"observation {chunk.seq}: {late:.3f} s past")
                 self._warn_expired("JointTrajectory", late, now_s - stamp_s, expiry)
                 reasons.append("expired_trajectories")
                 if expiry == "withhold":
                     trajectory_stamp = None
-        return ActionDecision(chunk, publish_chunk, trajectory_stamp, tuple(reasons))
+        return ActionDecision(chunk, publish_chunk, trajectory_stamp, tuple(reasons), first)
 
     def _send(self, decision: ActionDecision, stamp: Time) -> None:
         settings, chunk = self._settings, decision.chunk
@@ -174,7 +184,7 @@ class ActionOutput:
         if decision.trajectory_stamp is not None and trajectory is not None:
             trajectory.publish(conversions.joint_trajectory_msg(
                 chunk, decision.trajectory_stamp, settings.frame_id, settings.action_names,
-                settings.trajectory_joint_names, settings.action_dt_s))
+                settings.trajectory_joint_names, settings.action_dt_s, decision.trajectory_first))
 
     def send_hold(self) -> None:
         """``on_stop_command: hold``: one JointTrajectory holding the latest JointState positions of the

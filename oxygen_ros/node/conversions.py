@@ -55,6 +55,9 @@ def action_chunk_msg(chunk: ActionChunk, stamp: Time, frame_id: str, action_name
     msg.inference_latency = chunk.latency_s
     msg.model_id = model_id
     msg.subtask = chunk.subtask or ""
+    msg.rtc_delay_steps = int(chunk.rtc_delay_steps)
+    msg.rtc_takeover_index = int(chunk.rtc_takeover_index)
+    msg.rtc_fallback = chunk.rtc_fallback
     return msg
 
 
@@ -64,23 +67,30 @@ def _duration(seconds: float) -> Duration:
 
 
 def joint_trajectory_msg(chunk: ActionChunk, stamp: Time, frame_id: str, action_names: tuple[str, ...],
-                         joint_names: tuple[str, ...], dt: float) -> JointTrajectory:
+                         joint_names: tuple[str, ...], dt: float, first: int = 0) -> JointTrajectory:
     """A ``trajectory_msgs/JointTrajectory`` for ros2_control's joint_trajectory_controller.
 
-    Point i holds the positions of action i for ``joint_names`` (a subset of ``action_names``) and
-    ``time_from_start = (i + 1) * dt``.
+    Point j holds the positions of action ``first + j`` for ``joint_names`` (a subset of ``action_names``)
+    and ``time_from_start = (j + 1) * dt``.
 
     Args:
-        stamp: ``header.stamp``: zero (start on receipt) or the observation's stamp, per the node's
-            ``trajectory_stamp_policy``.
+        stamp: ``header.stamp``, per the node's ``trajectory_stamp_policy``: zero (start on receipt), the
+            observation's stamp, or (``takeover``) the observation's stamp + ``first * dt``.
+        first: the first action sent (``takeover``: the real-time-chunking delay d; the actions before it
+            are the ones the robot executes of the previous chunk meanwhile); 0 .. H − 1.
+
+    Raises:
+        ValueError: ``first`` outside ``0 .. H − 1``.
     """
+    if not 0 <= first < chunk.actions.shape[0]:
+        raise ValueError(f"first action {first} outside the chunk's 0..{chunk.actions.shape[0] - 1}")
     columns = [action_names.index(name) for name in joint_names]
     msg = JointTrajectory()
     msg.header.stamp = stamp
     msg.header.frame_id = frame_id
     msg.joint_names = list(joint_names)
-    for i, row in enumerate(chunk.actions[:, columns].astype(float)):
-        msg.points.append(JointTrajectoryPoint(positions=row.tolist(), time_from_start=_duration((i + 1) * dt)))
+    for j, row in enumerate(chunk.actions[first:, columns].astype(float)):
+        msg.points.append(JointTrajectoryPoint(positions=row.tolist(), time_from_start=_duration((j + 1) * dt)))
     return msg
 
 

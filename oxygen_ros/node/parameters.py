@@ -56,7 +56,7 @@ from oxygen_ros.node.output_checks import (EXPIRED_OUTPUT_POLICIES, LIMIT_POLICI
 
 TRANSPORTS = ("raw", "compressed")
 RELIABILITIES = ("best_effort", "reliable")
-TRAJECTORY_STAMP_POLICIES = ("now", "observation")
+TRAJECTORY_STAMP_POLICIES = ("now", "observation", "takeover")
 STOP_COMMANDS = ("hold", "none")
 DTYPES = ("float32", "bfloat16")
 # Full-size presets: random weights are meaningless there (and a robot must never run them unnoticed).
@@ -171,8 +171,10 @@ NODE_PARAMETERS: tuple[Declaration, ...] = (
     _node("trajectory_joint_names", Parameter.Type.STRING_ARRAY, "action dimensions (by name, each once) sent in "
           "the JointTrajectory; empty = all", _OUTPUTS),
     _node("trajectory_stamp_policy", "now", "JointTrajectory header.stamp: now (stamp 0: the controller starts "
-          "on receipt) or observation (the observation's stamp: point i is due at observation + (i+1)*dt, so "
-          "the inference latency is accounted for)", _OUTPUTS, choices=TRAJECTORY_STAMP_POLICIES),
+          "on receipt), observation (the observation's stamp: point i is due at observation + (i+1)*dt, so "
+          "the inference latency is accounted for) or takeover (as observation, but a chunk guided by real-time "
+          "chunking starts at its take-over action d, stamped observation + d*dt: the controller keeps the "
+          "previous trajectory until then)", _OUTPUTS, choices=TRAJECTORY_STAMP_POLICIES),
     _node("joint_limits.lower", Parameter.Type.DOUBLE_ARRAY, "lower position limit of each action dimension "
           "(parallel to action_names; -.inf = none); empty = no limits from parameters", _OUTPUTS,
           unit="rad or m"),

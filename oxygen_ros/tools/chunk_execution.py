@@ -136,6 +136,34 @@ class ChunkExecutor:
         del self._chunks[:dropped]
         return position >= dropped
 
+    def seam(self, t: float, stamp: float, dt: float, actions) -> tuple[np.ndarray, np.ndarray] | None:
+        """The seam a chunk would make if it were taken in just before control time ``t`` [s]: how the
+        command at ``t`` and its velocity change, compared with the chunks kept now (the chunk is not kept).
+
+        Position: ``E'(t) − E(t)``; velocity: ``(E'(t + dt) − E'(t)) / dt − (E(t + dt) − E(t)) / dt``,
+        with ``E`` / ``E'`` :meth:`action_at` without / with the chunk and ``dt`` the chunk's step. For the
+        newest chunk wins this is the new chunk's action at ``t`` against the old one's (the jump at the
+        switch); with ensembling, the change the new chunk makes to the average.
+
+        Returns:
+            ``(position [D], velocity [D / s])`` float64, or None when no chunk is kept (nothing to switch from)
+            or the chunk would not be kept.
+
+        Raises:
+            ValueError: as :meth:`add`, or ``t`` not finite.
+        """
+        if not self._chunks:
+            return None
+        before = (self.action_at(t), self.action_at(t + float(dt)))
+        kept = list(self._chunks)
+        try:
+            if not self.add(stamp, dt, actions):
+                return None
+            after = (self.action_at(t), self.action_at(t + float(dt)))
+        finally:
+            self._chunks[:] = kept
+        return after[0] - before[0], ((after[1] - after[0]) - (before[1] - before[0])) / float(dt)
+
     def _index(self, chunk: Chunk, t: float) -> int:
         """The unclamped action index of ``t`` in ``chunk`` by the index rule."""
         if self.index_rule == "floor":

@@ -313,6 +313,9 @@ class SimRobot(Node):
         self._chunk_lock = threading.Lock()     # guards self._executor (the chunks received)
         self.chunks_received = 0
         self.chunks_rejected = 0
+        # per chunk that replaced or joined kept ones: the largest jump over the 12 arm joints of the command [rad]
+        # and of its velocity [rad/s] at receipt (ChunkExecutor.seam)
+        self.seams: list[tuple[float, float]] = []
         self.images_published = {camera: 0 for camera in self.cameras}
         self.actions_applied = 0
         self._stop = threading.Event()
@@ -344,12 +347,18 @@ class SimRobot(Node):
         dt = msg.dt if msg.dt > 0 else self.control_period_s
         try:
             with self._chunk_lock:
+                # the switch the robot makes at its next tick: the command's and its velocity's jump (arm joints)
+                seam = self._executor.seam(self._now_s(), stamp, dt, actions)
                 self._executor.add(stamp, dt, actions)
         except ValueError as err:       # non-finite actions (or a dimension change while ensembling)
             self.chunks_rejected += 1
             self.get_logger().warning(f"action chunk rejected: {err}", throttle_duration_sec=5.0)
             return
         self.chunks_received += 1
+        if seam is not None:
+            arm = np.ones(len(JOINTS), bool)
+            arm[list(_GRIPPER_INDEX)] = False
+            self.seams.append((float(np.abs(seam[0][arm]).max()), float(np.abs(seam[1][arm]).max())))
 
     def _current_action(self, now_s: float) -> np.ndarray | None:
         """The action due now (:meth:`ChunkExecutor.action_at`): index ``floor((now - stamp) / dt)`` of the

@@ -17,7 +17,7 @@ import yaml
 
 from oxygen_ros.demo_task import INSTRUCTION, SUBTASKS
 from oxygen_ros.tools import demo_data
-from oxygen_ros.tools.evaluate.conditions import CONDITIONS, NODE_NAME, node_parameters
+from oxygen_ros.tools.evaluate.conditions import CHUNKING, CONDITIONS, NODE_NAME, node_parameters, plan_runs
 from oxygen_ros.tools.evaluate.episode import EPISODE_STEPS
 from oxygen_ros.tools.evaluate.node_runs import run_node_condition
 from oxygen_ros.tools.evaluate.report import contact_sheet, markdown_table
@@ -39,31 +39,40 @@ def evaluate(args) -> dict:
     def log(message: str) -> None:
         print(message, flush=True)
 
+    runs = plan_runs(args)
     for condition in args.conditions:
+        group = [run for run in runs if run.condition == condition]
         params = node_parameters(condition, args, checkpoint)
-        (out_dir / f"node_params_{condition}.yaml").write_text(
-            yaml.safe_dump({f"/**/{NODE_NAME}": {"ros__parameters": params}}, sort_keys=False))
+        for run in group:
+            (out_dir / f"node_params_{run.name.replace('/', '_')}.yaml").write_text(yaml.safe_dump(
+                {f"/**/{NODE_NAME}": {"ros__parameters": {**params, **run.params}}}, sort_keys=False))
         wall = time.perf_counter()
-        if condition.startswith("node-"):
-            records = run_node_condition(condition, params, seeds, args, out_dir, log)
+        if condition.startswith("node-"):     # one node, the runs interleaved seed by seed
+            records = run_node_condition(condition, params, seeds, args, out_dir, log, group)
         else:
-            records = run_sync_condition(condition, params, seeds, args, out_dir, log)
-        episodes = []
-        (out_dir / condition).mkdir(parents=True, exist_ok=True)
-        for record in records:
-            # the whole record (phase flags per step, observations with their ground truth, speech, memory,
-            # latencies) next to its contact sheet
-            (out_dir / condition / f"episode_{record['seed']}.json").write_text(
-                json.dumps({k: v for k, v in record.items() if k != "sheet"}))
-            score = score_episode(record)
-            score["contact_sheet"] = str(contact_sheet(record, condition,
-                                                       out_dir / condition / f"episode_{record['seed']}.png"))
-            episodes.append(score)
-        summary = summarise(condition, episodes)
-        summary["condition_wall_s"] = round(time.perf_counter() - wall, 1)
-        summaries.append(summary)
+            records = {run.name: run_sync_condition(condition, {**params, **run.params}, seeds, args, out_dir, log, run)
+                       for run in group}
+        wall = round(time.perf_counter() - wall, 1)
+        for run in group:
+            name = run.name
+            episodes = []
+            (out_dir / name).mkdir(parents=True, exist_ok=True)
+            for record in records[name]:
+                # the whole record (phase flags per step, observations with their ground truth, speech, memory,
+                # latencies, seams) next to its contact sheet
+                (out_dir / name / f"episode_{record['seed']}.json").write_text(
+                    json.dumps({k: v for k, v in record.items() if k != "sheet"}))
+                score = score_episode(record)
+                score["contact_sheet"] = str(contact_sheet(record, name,
+                                                           out_dir / name / f"episode_{record['seed']}.png"))
+                episodes.append(score)
+            summary = summarise(name, episodes)
+            # condition_wall_s: the wall time of the condition's runs together (interleaved for the node's)
+            summary.update(chunking=run.chunking, delay_steps=run.delay_steps, execute_steps=run.execute_steps,
+                           ensemble_m=run.ensemble_m, condition_wall_s=wall)
+            summaries.append(summary)
     result = {"checkpoint": checkpoint, "preset": args.preset, "seeds": seeds, "execute_steps": args.execute_steps,
-              "ensemble_m": args.ensemble,
+              "ensemble_m": args.ensemble, "chunking": args.chunking, "delays": args.delays,
               "max_steps": args.max_steps, "instruction": INSTRUCTION, "subtasks": list(SUBTASKS),
               "conditions": summaries, "table": markdown_table(summaries)}
     (out_dir / "eval.json").write_text(json.dumps(result, indent=2))
@@ -93,6 +102,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(i: a chunk's age in control steps, 0 the oldest; ACT: 0.01); 0 (default): off, "
                              "the newest chunk wins. Every condition but expert (node-realtime: the robot's "
                              "temporal_ensemble_m)")
+    parser.add_argument("--chunking", default=None,
+                        help="comma-separated execution schemes, each a run of every condition: newest (the newest "
+                             "chunk wins), ensemble (temporal ensembling, m = --ensemble or ACT's 0.01), rtc "
+                             "(real-time chunking in the engine); default: newest, or ensemble with --ensemble")
+    parser.add_argument("--delays", default="0",
+                        help="sync, random, expert: comma-separated injected inference delays d [control steps]: the "
+                             "robot executes d more steps of the old chunk after each observation (the RTC paper's "
+                             "simulated delay); each d is a run, executing max(--execute-steps, d) steps per chunk "
+                             "(default 0)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default runs/eval-<timestamp>)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -138,6 +156,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(problem)
     if not math.isfinite(args.ensemble):
         parser.error("--ensemble must be finite")
+    args.chunking = [c.strip() for c in (args.chunking or ("ensemble" if args.ensemble else "newest")).split(",")
+                     if c.strip()]
+    if not args.chunking or sorted(set(args.chunking) - set(CHUNKING)):
+        parser.error(f"--chunking: choose from {', '.join(CHUNKING)}, got {args.chunking}")
+    try:
+        args.delays = sorted({int(d) for d in args.delays.split(",") if d.strip()})
+    except ValueError:
+        parser.error(f"--delays must be integers, got {args.delays!r}")
+    if not args.delays or args.delays[0] < 0:
+        parser.error(f"--delays must be >= 0 control steps, got {args.delays}")
     if args.camera_rate is not None and not args.camera_rate > 0:
         parser.error(f"--camera-rate must be > 0 Hz, got {args.camera_rate}")
     if args.checkpoint and not Path(args.checkpoint).is_dir():

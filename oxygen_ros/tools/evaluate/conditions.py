@@ -3,10 +3,76 @@ synchronous conditions build the engine from)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from oxygen_ros.demo_task import DT, INSTRUCTION, JOINTS, SUBTASKS
 
 CONDITIONS = ("node-lockstep", "node-realtime", "sync", "random", "expert")
+CHUNKING = ("newest", "ensemble", "rtc")
+IN_PROCESS = ("sync", "random", "expert")   # the conditions that take an injected delay (--delays)
 NODE_NAME = "oxygen_node"
+ACT_ENSEMBLE_M = 0.01                       # ACT's temporal-ensembling coefficient (chunk_execution.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run of the evaluation: a condition with one execution scheme and one injected delay.
+
+    Attributes:
+        name: the run's name in the report and its output folder: the condition alone when the evaluation
+            has one scheme and no delay, else ``condition/scheme/d<d>``.
+        chunking: ``newest``, ``ensemble`` or ``rtc`` (:data:`CHUNKING`).
+        delay_steps: the injected inference delay d [control steps] (in-process conditions; 0 for the node's).
+        execute_steps: actions executed per chunk in lockstep, ``max(--execute-steps, d)``.
+        ensemble_m: the robot's temporal-ensembling coefficient (0: off).
+        params: node parameters of the scheme, over the condition's (:func:`node_parameters`).
+    """
+
+    name: str
+    condition: str
+    chunking: str
+    delay_steps: int
+    execute_steps: int
+    ensemble_m: float
+    params: dict
+
+
+def rtc_parameters(horizon: int, steps_between_chunks: int, delay_steps: int | None) -> dict:
+    """The node parameters of real-time chunking for chunks of ``horizon`` actions, one every
+    ``steps_between_chunks`` control steps: guidance toward the whole overlap with the chunk in flight
+    (``rtc.execution_horizon`` = H − steps between chunks, where the paper's prefix weights reach 0), the
+    delay fixed at ``delay_steps`` (an injected delay) or measured (None: ``auto``)."""
+    params = {"rtc.enabled": True, "rtc.execution_horizon": max(0, horizon - steps_between_chunks)}
+    if delay_steps is None:
+        params["rtc.delay_mode"] = "auto"
+    else:
+        params.update({"rtc.delay_mode": "fixed", "rtc.fixed_delay_steps": delay_steps})
+    return params
+
+
+def plan_runs(args) -> list[Run]:
+    """The runs of ``args.conditions`` × ``args.chunking`` × ``args.delays`` (delays: in-process conditions
+    only; the expert has no chunking of its own: newest only), in that order."""
+    from oxygen_ros.models import get_preset
+
+    horizon = get_preset(args.preset).action_horizon
+    plain = len(args.chunking) == 1 and args.delays == [0]
+    runs = []
+    for condition in args.conditions:
+        for chunking in (["newest"] if condition == "expert" else args.chunking):
+            for delay in (args.delays if condition in IN_PROCESS else [0]):
+                steps = max(args.execute_steps, delay)
+                ensemble = (args.ensemble or ACT_ENSEMBLE_M) if chunking == "ensemble" else 0.0
+                params = {}
+                if chunking == "rtc":
+                    if condition in IN_PROCESS:
+                        params = rtc_parameters(horizon, steps, delay)
+                    else:
+                        between = steps if condition == "node-lockstep" else round(1.0 / (args.control_rate * DT))
+                        params = rtc_parameters(horizon, between, None)
+                name = condition if plain else f"{condition}/{chunking}/d{delay}"
+                runs.append(Run(name, condition, chunking, delay, steps, ensemble, params))
+    return runs
 
 
 def topic_camera(topic: str) -> str:

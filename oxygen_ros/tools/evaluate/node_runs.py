@@ -59,9 +59,19 @@ class _Follower:
             return pick(self.speech), pick(self.memory), pick(self.chunks)
 
 
-def run_node_condition(condition: str, params: dict, seeds: list[int], args, out_dir: Path, log) -> list[dict]:
-    """Episodes of ``node-lockstep`` or ``node-realtime``: the oxygen node in this process (one
-    multi-threaded executor, as tools/demo.py), the robot in a child process per episode."""
+def run_node_condition(condition: str, params: dict, seeds: list[int], args, out_dir: Path, log,
+                       runs: list) -> dict[str, list[dict]]:
+    """Episodes of ``node-lockstep`` or ``node-realtime`` for the :class:`~oxygen_ros.tools.evaluate.conditions.Run`
+    s of the condition (its execution schemes), interleaved: per seed one episode of each run, in turn (the order
+    reversed every other seed), so that the runs share the machine's state alike. The oxygen node runs in this
+    process (one multi-threaded executor, as tools/demo.py) with ``params``; a run whose node parameters differ
+    from the ones in force reconfigures it first (deactivate, cleanup, the parameters, configure, activate), as
+    a lifecycle manager would. The robot runs in a child process per episode. Returns the records per run name.
+
+    Raises:
+        RuntimeError: the node did not become active (at start or after a reconfiguration), or a robot process
+            failed before writing its record.
+    """
     import rclpy
     from rclpy.context import Context
     from rclpy.executors import MultiThreadedExecutor
@@ -74,7 +84,7 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
     rclpy.init(args=[], context=context, signal_handler_options=SignalHandlerOptions.NO)
     executor = MultiThreadedExecutor(num_threads=4, context=context)
     oxygen = follower = None
-    records = []
+    records: dict[str, list[dict]] = {run.name: [] for run in runs}
     stop = threading.Event()
     spinner = threading.Thread(target=lambda: _spin(executor, stop), daemon=True)
     try:
@@ -90,39 +100,49 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
                 raise RuntimeError(f"the oxygen node did not become active: {oxygen.configure_error or oxygen.autostart_failed}")
             time.sleep(0.1)
         cameras = tuple(topic_camera(topic) for topic in params["camera_topics"])   # what the node subscribes to
-        for index, seed in enumerate(seeds):
-            out = out_dir / condition / f"episode_{seed}.json"
+        # the parameters the runs switch, with the values the node has without them
+        switched = sorted({name for run in runs for name in run.params})
+        defaults = {name: oxygen.get_parameter(name).value for name in switched}
+        in_force = dict(defaults)
+        schedule = [(seed, run) for i, seed in enumerate(seeds) for run in (runs if i % 2 == 0 else runs[::-1])]
+        for index, (seed, run) in enumerate(schedule):
+            wanted = {name: run.params.get(name, defaults[name]) for name in switched}
+            if wanted != in_force:
+                _reconfigure(oxygen, wanted, args.startup_timeout)
+                in_force = wanted
+                log(f"{run.name}: node reconfigured with {wanted}")
+            out = out_dir / run.name / f"episode_{seed}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
             spec = {"seed": seed, "max_steps": args.max_steps, "out": str(out), "cameras": list(cameras),
-                    "chunk_topic": f"/{NODE_NAME}/action_chunk", "ensemble_m": args.ensemble}
+                    "chunk_topic": f"/{NODE_NAME}/action_chunk", "ensemble_m": run.ensemble_m}
             if condition == "node-lockstep":
                 offset = EPISODE_CLOCK_S * (index + 1)
-                spec.update(clock_offset_s=offset, execute_steps=args.execute_steps,
+                spec.update(clock_offset_s=offset, execute_steps=run.execute_steps,
                             chunk_timeout_s=args.chunk_timeout, resend_s=args.resend, connect_timeout_s=30.0)
                 command = worker_command("lockstep", spec)
             else:
                 spec.update(camera_rate_hz=args.camera_rate or RENDER_RATE_HZ / len(cameras))
                 command = worker_command("realtime", spec)
             started = time.time()
-            child = start_child(command, out_dir / condition / "robot.log", append=True,
+            child = start_child(command, out_dir / run.name / "robot.log", append=True,
                                 env=package_pythonpath(os.environ))
             try:
                 limit = args.max_steps * DT * 200 + 120 if condition == "node-lockstep" else args.max_steps * DT * 20 + 60
                 child.wait(timeout=limit)
             except subprocess.TimeoutExpired:
-                log(f"{condition} episode {seed}: the robot process ran past {limit:.0f} s; stopped")
+                log(f"{run.name} episode {seed}: the robot process ran past {limit:.0f} s; stopped")
             finally:
                 stop_child(child)
             if not out.is_file():
                 raise RuntimeError(f"{condition} episode {seed}: the robot process failed (exit {child.returncode}); "
-                                   f"see {out_dir / condition / 'robot.log'}")
+                                   f"see {out_dir / run.name / 'robot.log'}")
             record = read_record(out)
             # The record is written once the episode has run to its end; a process that fails after it (seen: an
             # abort in the robot's teardown) leaves a whole episode: scored, the failure logged and counted.
             record["robot_exit"] = child.returncode
             if child.returncode != 0:
-                log(f"{condition} episode {seed}: the robot process exited {child.returncode} after writing its "
-                    f"record (teardown); episode kept; see {out_dir / condition / 'robot.log'}")
+                log(f"{run.name} episode {seed}: the robot process exited {child.returncode} after writing its "
+                    f"record (teardown); episode kept; see {out_dir / run.name / 'robot.log'}")
             # the episode's last utterances (in real time, requests of frames the node could not process before
             # the robot stopped never finish: a short wait)
             _wait_for_language(oxygen, follower, args.chunk_timeout if condition == "node-lockstep" else 5.0)
@@ -144,8 +164,8 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
             if condition == "node-realtime":
                 record["latencies"] = [received - stamp for stamp, received, _ in chunks]
                 record["chunks"] = len(chunks)
-            records.append(record)
-            log(f"{condition} episode {seed}: {episode_line(record)}")
+            records[run.name].append(record)
+            log(f"{run.name} episode {seed}: {episode_line(record)}")
     finally:
         stop.set()
         spinner.join(timeout=5.0)
@@ -158,6 +178,30 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
         context.try_shutdown()
         context.destroy()
     return records
+
+
+def _reconfigure(oxygen, parameters: dict, timeout_s: float) -> None:
+    """Deactivate and clean up ``oxygen``, set ``parameters``, configure and activate it again.
+
+    Raises:
+        RuntimeError: a transition failed, a parameter was refused, or the node was not active within
+            ``timeout_s`` [s].
+    """
+    from rclpy.parameter import Parameter
+
+    oxygen.trigger_deactivate()
+    oxygen.trigger_cleanup()
+    results = oxygen.set_parameters([Parameter(name, value=value) for name, value in parameters.items()])
+    refused = [result.reason for result in results if not result.successful]
+    if refused:
+        raise RuntimeError(f"the oxygen node refused {parameters}: {refused}")
+    oxygen.trigger_configure()
+    oxygen.trigger_activate()
+    deadline = time.monotonic() + timeout_s
+    while oxygen.lifecycle_state != "active":
+        if oxygen.configure_error or time.monotonic() > deadline:
+            raise RuntimeError(f"the oxygen node did not become active again: {oxygen.configure_error}")
+        time.sleep(0.1)
 
 
 def _wait_for_language(oxygen, follower: "_Follower", timeout_s: float) -> None:

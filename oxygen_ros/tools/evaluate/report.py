@@ -25,8 +25,11 @@ def markdown_table(summaries: list[dict]) -> str:
 
     lines = ["| condition | reached | grasped | lifted | transferred | grasped at [s] | closest [cm] | subtask acc. | "
              "caption acc. | frame→chunk [ms] | inference [ms] | waiting [ms] | chunks/s (wall) | chunks/s (sim) | "
-             "s/episode |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "s/episode | transferred at [s] | seam [rad] med / p95 | seam [rad/s] med / p95 | chunk's own [rad/s] med |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def seam(stats: dict | None, fmt: str) -> str:
+        return "—" if not stats else f"{stats['median']:{fmt}} / {stats['p95']:{fmt}}"
     for s in summaries:
         closest = s.get("median_closest_m")
         lines.append(f"| {s['condition']} | " + " | ".join(pct(s["success"][p]) for p in PHASES)
@@ -36,7 +39,11 @@ def markdown_table(summaries: list[dict]) -> str:
                      f"{ms(s['mean_latency_s'])} | {ms(s.get('mean_inference_latency_s'))} | "
                      f"{ms(s.get('mean_waiting_s'))} | "
                      f"{num(s['chunks_per_wall_s'], '.2f')} | {num(s['chunks_per_sim_s'], '.2f')} | "
-                     f"{num(s['seconds_per_episode'], '.1f')} |")
+                     f"{num(s['seconds_per_episode'], '.1f')} | "
+                     f"{num(s['success']['transferred'].get('median_first_s'), '.1f')} | "
+                     f"{seam((s.get('seams') or {}).get('position'), '.3f')} | "
+                     f"{seam((s.get('seams') or {}).get('velocity'), '.2f')} | "
+                     f"{num(((s.get('seams') or {}).get('chunk_velocity_change') or {}).get('median'), '.2f')} |")
     return "\n".join(lines)
 
 

@@ -92,7 +92,26 @@ def score_episode(record: dict) -> dict:
             "chunks_per_wall_s": record.get("chunks", 0) / wall if wall > 0 else None,
             "wall_s": round(wall, 2), "sim_s": round(record.get("sim_s", 0.0), 3),
             "resets": record.get("resets", 0), "aborted": record.get("aborted"),
-            "robot_exit": record.get("robot_exit", 0)}
+            "robot_exit": record.get("robot_exit", 0),
+            # per chunk switch: the largest jump over the arm joints of the command [rad] and its velocity [rad/s]
+            # (in-process conditions also: the new chunk's own velocity change after the switch [rad/s])
+            "seams": [list(map(float, seam)) for seam in record.get("seams", [])]}
+
+
+def seam_statistics(episodes: list[dict]) -> dict:
+    """Median and 95th percentile over every chunk switch of the episodes: ``position`` [rad] and ``velocity``
+    [rad/s] jumps (``score_episode``'s ``seams``), and ``chunk_velocity_change`` [rad/s], the new chunk's own
+    step-to-step velocity change just after the switch where recorded (the scale of velocity jumps any chunk
+    has); ``switches`` counts them (the statistics are None without any)."""
+    seams = [seam + [float("nan")] * (3 - len(seam)) for e in episodes for seam in e.get("seams", [])]
+    seams = np.array(seams, np.float64).reshape(-1, 3)
+    stats: dict = {"switches": len(seams)}
+    for column, key in enumerate(("position", "velocity", "chunk_velocity_change")):
+        values = seams[:, column]
+        values = values[np.isfinite(values)]
+        stats[key] = ({"median": float(np.median(values)), "p95": float(np.percentile(values, 95))}
+                      if len(values) else None)
+    return stats
 
 
 def summarise(condition: str, episodes: list[dict]) -> dict:
@@ -132,4 +151,5 @@ def summarise(condition: str, episodes: list[dict]) -> dict:
             "chunks_per_wall_s": chunks / wall if wall else None, "chunks_per_sim_s": chunks / sim if sim else None,
             "seconds_per_episode": wall / n if n else None,
             "aborted": sum(1 for e in episodes if e["aborted"]),
-            "robot_exit_failures": sum(1 for e in episodes if e.get("robot_exit")), "per_episode": episodes}
+            "robot_exit_failures": sum(1 for e in episodes if e.get("robot_exit")),
+            "seams": seam_statistics(episodes), "per_episode": episodes}

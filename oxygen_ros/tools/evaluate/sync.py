@@ -51,7 +51,9 @@ class EnginePolicy:
         self._seq = 0
 
     def start(self, seed: int) -> None:
+        """A new episode: seq from 1, and the engine flushed (no request, no chunk in flight)."""
         self._seq = 0
+        self.engine.flush()
 
     def act(self, images: dict[str, np.ndarray], position: np.ndarray, t: float) -> Step:
         from oxygen_ros.engine.types import Observation, RequestStatus
@@ -126,23 +128,35 @@ class ExpertPolicy:
         pass
 
 
+ARM = np.array(["gripper" not in name for name in JOINTS])   # the 12 arm joints [rad]; grippers are normalised
+
+
 def run_sync_episode(policy, seed: int, execute_steps: int, max_steps: int = EPISODE_STEPS,
-                     width: int = 320, height: int = 240, ensemble_m: float = 0.0) -> dict:
+                     width: int = 320, height: int = 240, ensemble_m: float = 0.0, delay_steps: int = 0) -> dict:
     """One episode in the lockstep schedule with a synchronous ``policy`` (:class:`EnginePolicy` or
     :class:`ExpertPolicy`): observe, act, execute ``execute_steps`` control steps, repeat for ``max_steps``
     control steps. The chunk (stamped with the observation's clock, 20 ms per action) goes to a
     :class:`~oxygen_ros.tools.chunk_execution.ChunkExecutor` (``round`` index rule) that gives each step's
     action: with ``ensemble_m`` 0 (default) the chunk's actions 0 .. execute_steps − 1 in turn; otherwise
-    ACT's temporal ensemble of every chunk covering the step. Returns the episode record (see
-    :func:`score_episode`).
+    ACT's temporal ensemble of every chunk covering the step.
+
+    ``delay_steps`` d injects an inference delay as in the RTC paper's simulated-delay experiments: after each
+    observation the robot executes ``d`` more steps of what it had (the chunks before; the observed position
+    held before the first chunk), then the new chunk takes over for the remaining ``execute_steps − d`` steps
+    (so each chunk's actions ``d .. execute_steps + d − 1`` are executed). At every take-over after the first
+    the seam (:meth:`ChunkExecutor.seam`) is recorded: the largest change over the 12 arm joints of the
+    command [rad] and of its velocity [rad/s], and for scale the new chunk's own largest velocity change
+    from one step to the next just after the switch [rad/s] (how rough the chunks are anyway). Returns the episode record (see :func:`score_episode`).
 
     Raises:
-        ValueError: ``ensemble_m`` not finite.
+        ValueError: ``ensemble_m`` not finite, or ``delay_steps`` outside ``0 .. execute_steps``.
     """
+    if not 0 <= delay_steps <= execute_steps:
+        raise ValueError(f"delay_steps must lie in 0 .. execute_steps ({execute_steps}), got {delay_steps}")
     chunk_executor = ChunkExecutor(ensemble_m, ENSEMBLE_MAX_CHUNKS, index_rule="round")
     sim = EpisodeSim(seed, 0.0, width, height, max_steps)
     policy.start(seed)
-    speech, memory, latencies, inference = [], [], [], []
+    speech, memory, latencies, inference, seams = [], [], [], [], []
     wall = time.perf_counter()
     try:
         while sim.step_index < max_steps:
@@ -152,9 +166,21 @@ def run_sync_episode(policy, seed: int, execute_steps: int, max_steps: int = EPI
             inference.append(step.inference_latency_s)
             speech += step.speech
             memory += step.memory
-            chunk_executor.add(t, DT, step.actions)
             n = min(execute_steps, max_steps - sim.step_index, len(step.actions))
-            for _ in range(n):
+            for _ in range(min(delay_steps, n)):          # the inference delay: the robot goes on as it was
+                held = chunk_executor.action_at(sim.now_s)
+                sim.execute(np.asarray(position, np.float64) if held is None else held)
+            if sim.step_index >= max_steps:
+                break
+            seam = chunk_executor.seam(sim.now_s, t, DT, step.actions)
+            if seam is not None:
+                # and, for scale, the new chunk's own velocity change one step after the switch (its roughness)
+                i = min(delay_steps + 1, len(step.actions) - 2)
+                own = np.abs(step.actions[i + 1] - 2 * step.actions[i] + step.actions[i - 1])[ARM].max() / DT \
+                    if i >= 1 else float("nan")
+                seams.append((float(np.abs(seam[0][ARM]).max()), float(np.abs(seam[1][ARM]).max()), float(own)))
+            chunk_executor.add(t, DT, step.actions)
+            for _ in range(n - min(delay_steps, n)):
                 sim.execute(chunk_executor.action_at(sim.now_s))
             if isinstance(policy, ExpertPolicy):
                 policy.advance(n)
@@ -162,23 +188,24 @@ def run_sync_episode(policy, seed: int, execute_steps: int, max_steps: int = EPI
         seconds = time.perf_counter() - wall
         record = sim.trace()
         record.update(speech=speech, memory=memory, latencies=latencies, inference_latencies=inference,
-                      chunks=len(latencies),
+                      chunks=len(latencies), seams=seams, delay_steps=delay_steps, execute_steps=execute_steps,
                       wall_s=seconds, sim_s=sim.step_index * DT, sheet=sim.sheet)
     finally:
         sim.close()
     return record
 
 
-def run_sync_condition(condition: str, params: dict, seeds: list[int], args, out_dir: Path, log) -> list[dict]:
-    """Episodes of ``sync``, ``random`` (an :class:`EnginePolicy`) or ``expert``."""
+def run_sync_condition(condition: str, params: dict, seeds: list[int], args, out_dir: Path, log, run) -> list[dict]:
+    """Episodes of ``sync``, ``random`` (an :class:`EnginePolicy`) or ``expert`` for one
+    :class:`~oxygen_ros.tools.evaluate.conditions.Run` (its scheme, delay and steps per chunk)."""
     policy = ExpertPolicy() if condition == "expert" else EnginePolicy(params)
     records = []
     try:
         for seed in seeds:
-            record = run_sync_episode(policy, seed, args.execute_steps, args.max_steps,
-                                      ensemble_m=0.0 if condition == "expert" else args.ensemble)
+            record = run_sync_episode(policy, seed, run.execute_steps, args.max_steps,
+                                      ensemble_m=run.ensemble_m, delay_steps=run.delay_steps)
             records.append(record)
-            log(f"{condition} episode {seed}: {episode_line(record)}")
+            log(f"{run.name} episode {seed}: {episode_line(record)}")
     finally:
         policy.close()
     return records

@@ -200,7 +200,8 @@ def realtime_worker(spec: dict) -> int:
             time.sleep(DT)
         record = {"seed": spec["seed"], "rest_height": rest, "flags": flags, "right_distance": distances,
                   "observed": samples, "resets": scene.resets, "chunks": robot.chunks_received - chunks0,
-                  "wall_s": time.perf_counter() - wall, "sim_s": scene.sim_time - SETTLE_S, "aborted": None}
+                  "wall_s": time.perf_counter() - wall, "sim_s": scene.sim_time - SETTLE_S, "aborted": None,
+                  "seams": list(robot.seams)}
         write_record(record, sheet, Path(spec["out"]))
     finally:
         _end_worker(executor, spinner, robot)
