@@ -359,6 +359,39 @@ def test_lerobot_pi05_from_its_checkpoint_files(tmp_path):
     assert np.allclose(proc.robot_actions(raw, state), expected, rtol=0, atol=1e-6)
 
 
+def test_lerobot_rtc_config_and_n_action_steps_become_the_rtc_defaults(tmp_path):
+    """LeRobot's rtc_config (and, without one, n_action_steps) give the defaults of the node's rtc.* parameters;
+    an explicit parameter wins and rtc.enabled stays the node's."""
+    from oxygen_ros.node.parameters import DECLARATIONS, checkpoint_rtc_defaults, default_value
+
+    defaults = {name: default_value(name) for name in DECLARATIONS}
+    _lerobot_checkpoint(tmp_path, "pi05", relative=False)
+    conv = lerobot_conventions(tmp_path)
+    assert conv.action_steps == 20 and conv.rtc is None
+    assert checkpoint_rtc_defaults(defaults, conv) == {}                  # n_action_steps = H: no overlap
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "n_action_steps": 8}))
+    assert checkpoint_rtc_defaults(defaults, lerobot_conventions(tmp_path)) == {"execution_horizon": 12}
+    rtc = {"enabled": True, "prefix_attention_schedule": "EXP", "max_guidance_weight": 5.0, "execution_horizon": 14,
+           "debug": False, "debug_maxlen": 100}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "n_action_steps": 8, "rtc_config": rtc}))
+    conv = lerobot_conventions(tmp_path)
+    assert (conv.rtc.enabled, conv.rtc.schedule, conv.rtc.max_guidance_weight, conv.rtc.execution_horizon) == \
+        (True, "exp", 5.0, 14)
+    assert "RTC on (exp, beta 5, s 14)" in conv.describe()
+    assert checkpoint_rtc_defaults(defaults, conv) == {"execution_horizon": 14, "schedule": "exp",
+                                                       "max_guidance_weight": 5.0}
+    explicit = {**defaults, "rtc.schedule": "zeros", "rtc.execution_horizon": 30}
+    assert checkpoint_rtc_defaults(explicit, conv) == {"max_guidance_weight": 5.0}
+    for bad in ({**rtc, "prefix_attention_schedule": "COSINE"}, {**rtc, "max_guidance_weight": 0}, "on"):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "rtc_config": bad}))
+        with pytest.raises(ValueError, match="rtc_config"):
+            lerobot_conventions(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "n_action_steps": 21}))
+    with pytest.raises(ValueError, match="action_steps"):
+        lerobot_conventions(tmp_path)
+
+
 def test_lerobot_pi0_from_its_checkpoint_files(tmp_path):
     _lerobot_checkpoint(tmp_path, "pi0", relative=False)
     conv = lerobot_conventions(tmp_path)

@@ -206,6 +206,70 @@ def test_replay_skips_a_vendor_message_type_and_plays_the_cameras(ros_context, t
     assert "skipping /gripper/status" in result.stderr   # the warning, as ros2 bag play gives it
 
 
+# ActionChunk as recorded before real-time chunking added its rtc_* fields.
+OLD_ACTION_CHUNK = """std_msgs/Header header
+string[] action_names
+uint32 horizon
+uint32 action_dim
+float64 dt
+float32[] actions
+uint64 observation_seq
+float64 inference_latency
+string model_id
+string subtask
+"""
+
+
+@pytest.mark.parametrize("finished", [True, False], ids=["rosbag2", "unfinished mcap"])
+def test_replay_upgrades_an_action_chunk_recorded_with_its_earlier_definition(ros_context, tmp_path, finished):
+    """An ActionChunk recorded before the rtc_* fields existed plays as the installed type: its fields kept, the
+    new ones at their "not set" values (-1, -1, empty), from a finished bag and from an unfinished MCAP alike."""
+    from rclpy.executors import SingleThreadedExecutor
+    from rosbags.rosbag2 import StoragePlugin, Writer
+    from rosbags.typesys import Stores, get_types_from_msg, get_typestore
+
+    from oxygen_ros.msg import ActionChunk
+    from oxygen_ros.tools.replay import BagPlayer
+
+    typestore = get_typestore(Stores.ROS2_KILTED)
+    typestore.register(get_types_from_msg(OLD_ACTION_CHUNK, "oxygen_ros/msg/ActionChunk"))
+    old = typestore.types["oxygen_ros/msg/ActionChunk"]
+    header, stamp = typestore.types["std_msgs/msg/Header"], typestore.types["builtin_interfaces/msg/Time"]
+    bag = tmp_path / "old_bag"
+    with Writer(bag, version=8, storage_plugin=StoragePlugin.MCAP) as writer:
+        connection = writer.add_connection("/oxygen/action_chunk", "oxygen_ros/msg/ActionChunk", typestore=typestore)
+        for i in range(3):
+            chunk = old(header=header(stamp=stamp(sec=i, nanosec=5), frame_id="base"), action_names=["a", "b"],
+                        horizon=2, action_dim=2, dt=0.02, actions=np.arange(4, dtype=np.float32) + i,
+                        observation_seq=i, inference_latency=0.25, model_id="pi05_demo", subtask="grasp")
+            writer.write(connection, 1_000_000_000 + i * 1_000_000, typestore.serialize_cdr(chunk, connection.msgtype))
+    if not finished:
+        (bag / "metadata.yaml").unlink()
+    probe, received = _probe(ros_context, {"/oxygen/action_chunk": ActionChunk})
+    player = BagPlayer(bag, rate=10.0, context=ros_context)
+    executor = SingleThreadedExecutor(context=ros_context)
+    executor.add_node(probe)
+    executor.add_node(player)
+    try:
+        assert (player.recovery is None) == finished and not player.skipped
+        assert list(player.upgrades) and player.upgrades[next(iter(player.upgrades))].added == \
+            ["rtc_delay_steps", "rtc_takeover_index", "rtc_fallback"]
+        spin_until(executor, lambda: player.get_subscriptions_info_by_topic("/oxygen/action_chunk") != [], 5.0)
+        player.start()
+        assert spin_until(executor, lambda: len(received["/oxygen/action_chunk"]) == 3, timeout=30.0), \
+            len(received["/oxygen/action_chunk"])
+    finally:
+        executor.shutdown()
+        player.destroy_node()
+        probe.destroy_node()
+    for i, (_, msg) in enumerate(received["/oxygen/action_chunk"]):
+        assert (msg.header.stamp.sec, msg.header.stamp.nanosec, msg.header.frame_id) == (i, 5, "base")
+        assert (list(msg.action_names), msg.horizon, msg.action_dim, msg.dt) == (["a", "b"], 2, 2, 0.02)
+        assert list(msg.actions) == [float(v + i) for v in range(4)]
+        assert (msg.observation_seq, msg.inference_latency, msg.model_id, msg.subtask) == (i, 0.25, "pi05_demo", "grasp")
+        assert (msg.rtc_delay_steps, msg.rtc_takeover_index, msg.rtc_fallback) == (-1, -1, "")
+
+
 @pytest.mark.parametrize("case", ["missing bag", "rate 0", "not a bag"])
 def test_replay_error_is_one_line_and_an_exit_status(tmp_path, case):
     """A bag that cannot be played: one error line and status 1; a bad argument: usage, one error line,

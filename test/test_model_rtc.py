@@ -22,6 +22,10 @@ def test_prefix_weights_by_hand():
     c = torch.tensor([5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6], dtype=torch.float64)
     assert torch.allclose(exp[5:10], (c * torch.expm1(c) / (math.e - 1)).float())
     assert exp[:5].eq(1).all() and exp[10:].eq(0).all()
+    # LeRobot's ZEROS (a hard prefix of d) and ONES (1 up to s)
+    assert torch.equal(prefix_weights(5, 10, 20, "zeros"), torch.tensor([1.0] * 5 + [0.0] * 15))
+    assert torch.equal(prefix_weights(5, 10, 20, "ones"), torch.tensor([1.0] * 10 + [0.0] * 10))
+    assert torch.equal(prefix_weights(12, 10, 20, "zeros"), torch.tensor([1.0] * 10 + [0.0] * 10))
     # a delay past the execution horizon freezes up to s only; s past H is clipped to H
     assert torch.equal(prefix_weights(12, 10, 20, "linear"), torch.tensor([1.0] * 10 + [0.0] * 10))
     assert torch.equal(prefix_weights(3, 50, 4, "linear")[:3], torch.ones(3))

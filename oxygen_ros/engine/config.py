@@ -40,6 +40,8 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from oxygen_ros.models.rtc import SCHEDULES
+
 MODES = ("isolated", "shared_prefix", "unified")
 SCHEDULING = ("deadline", "fixed_k")
 ADMISSION_POLICIES = ("wait", "drop")
@@ -357,7 +359,8 @@ class RTCConfig:
     execution_horizon: int = knob(10, "s: actions of the chunk in flight the new one is guided toward; the prefix "
                                   "weights reach 0 here", low=0, high=100_000)
     schedule: str = knob("linear", "decay of the prefix weights between the delay d and s: linear or exp (the "
-                         "paper's)", choices=("linear", "exp"))
+                         "paper's), zeros (none: a hard prefix of d) or ones (weight 1 up to s; LeRobot's)",
+                         choices=SCHEDULES)
     max_guidance_weight: float = knob(10.0, "beta: the clip of the guidance weight (0 = no guidance)", low=0.0,
                                       high=1e6)
     delay_mode: str = knob("auto", "the inference delay d: auto (measured: the largest recent delay plus "

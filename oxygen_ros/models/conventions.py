@@ -226,6 +226,19 @@ class AlohaAdaptation:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointRTC:
+    """The real-time chunking settings a checkpoint's configuration carries (LeRobot's ``rtc_config``:
+    ``enabled``, ``prefix_attention_schedule`` LINEAR / EXP / ZEROS / ONES, ``max_guidance_weight``,
+    ``execution_horizon``), in this package's names (``rtc.*``, ``models/rtc.py``). The node takes them as the
+    defaults of its ``rtc.*`` parameters, ``enabled`` excepted (docs/models.md, "Real-time chunking")."""
+
+    enabled: bool
+    schedule: str
+    max_guidance_weight: float
+    execution_horizon: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Conventions:
     """One checkpoint family's conventions (see the module docstring and docs/conventions.md).
 
@@ -256,6 +269,9 @@ class Conventions:
             align_corners=False)`` without antialiasing).
         norm_stats_asset: openpi asset id: the checkpoint keeps its statistics in
             ``assets/<asset>/norm_stats.json``; None for other sources.
+        action_steps: actions of each chunk the checkpoint's own executor runs before it predicts again
+            (LeRobot's ``n_action_steps``); None: not said.
+        rtc: the checkpoint's real-time chunking settings (:class:`CheckpointRTC`); None: none.
         source: where these conventions come from (for messages).
         binding: True when they come from the checkpoint or a named family: explicit settings may
             then only confirm them; False for the preset's defaults, which settings override.
@@ -285,6 +301,8 @@ class Conventions:
     default_prompt: str | None = None
     image_resize: str = "pil_bilinear"
     norm_stats_asset: str | None = None
+    action_steps: int | None = None
+    rtc: CheckpointRTC | None = None
     source: str = ""
     binding: bool = True
 
@@ -316,6 +334,9 @@ class Conventions:
             raise ValueError(f"{self.name}: camera slots must be non-empty and unique, got {slots}")
         if self.action_dt_s is not None and not self.action_dt_s > 0:
             raise ValueError(f"{self.name}: action_dt_s must be positive, got {self.action_dt_s}")
+        if self.action_steps is not None and not 1 <= self.action_steps <= self.action_horizon:
+            raise ValueError(f"{self.name}: action_steps must be in 1..{self.action_horizon} (the horizon), "
+                             f"got {self.action_steps}")
 
     def replace(self, **changes) -> "Conventions":
         """A copy with some fields changed (validated again)."""
@@ -333,7 +354,10 @@ class Conventions:
         delta = [i for i, d in enumerate(self.delta_mask) if d]
         return (f"{self.name} (from {self.source}): H {self.action_horizon}, {self.norm_mode} normalisation, "
                 f"prompt {prompt}, delta dims {delta or 'none'}, "
-                f"{'ALOHA adaptation' if self.adaptation else 'no robot adaptation'}, resize {self.image_resize}")
+                f"{'ALOHA adaptation' if self.adaptation else 'no robot adaptation'}, resize {self.image_resize}"
+                + (f", {self.action_steps} actions per chunk executed" if self.action_steps else "")
+                + (f", RTC {'on' if self.rtc.enabled else 'off'} ({self.rtc.schedule}, beta "
+                   f"{self.rtc.max_guidance_weight:g}, s {self.rtc.execution_horizon})" if self.rtc else ""))
 
     def camera(self, slot: str) -> CameraSpec | None:
         """The spec of ``slot``, None if the family never uses it."""
@@ -476,7 +500,7 @@ def lerobot_conventions(checkpoint_dir: str | Path) -> Conventions | None:
     optional), ``output_features`` (``action`` shape), ``normalization_mapping`` (STATE / ACTION),
     ``tokenizer_max_length``, ``use_relative_actions`` with ``relative_exclude_joints`` and
     ``action_feature_names`` (a dimension is absolute when an excluded name occurs in its name,
-    ``relative_action_processor.py``); from ``policy_preprocessor.json``: the normaliser's ``eps`` and
+    ``relative_action_processor.py``), ``n_action_steps`` and ``rtc_config`` (:class:`CheckpointRTC`); from ``policy_preprocessor.json``: the normaliser's ``eps`` and
     ``norm_map``, the pi05 step's ``include_state_in_prompt``, the tokenizer's ``max_length``.
 
     Raises:
@@ -542,6 +566,7 @@ def lerobot_conventions(checkpoint_dir: str | Path) -> Conventions | None:
         else:
             delta = tuple(not any(t == str(n).lower() or t in str(n).lower() for t in exclude)
                           for n in names[:dim]) + (True,) * max(0, dim - len(names))
+    steps = cfg.get("n_action_steps")
     return Conventions(
         f"lerobot/{variant}", variant=variant, action_horizon=int(cfg.get("chunk_size", base.action_horizon)),
         max_token_len=max_len, action_prompt=prompt, state_norm=norm(state_mode), action_norm=norm(action_mode),
@@ -550,7 +575,33 @@ def lerobot_conventions(checkpoint_dir: str | Path) -> Conventions | None:
         delta_mask=delta, delta_state="raw",
         cameras=tuple(CameraSpec(slot, key, False) for slot, key in zip(MODEL_CAMERA_SLOTS, images))
         or base.cameras,
-        image_resize="torch_bilinear", source=f"the checkpoint's {path}", binding=True)
+        image_resize="torch_bilinear", action_steps=None if steps is None else int(steps),
+        rtc=_lerobot_rtc(cfg.get("rtc_config"), path), source=f"the checkpoint's {path}", binding=True)
+
+
+_LEROBOT_RTC_SCHEDULES = {"LINEAR": "linear", "EXP": "exp", "ZEROS": "zeros", "ONES": "ones"}
+
+
+def _lerobot_rtc(config: dict | None, where: Path) -> CheckpointRTC | None:
+    """LeRobot's ``rtc_config`` (None or a mapping; its defaults where a key is absent: off, LINEAR, 10, 10) as
+    :class:`CheckpointRTC`. Raises ValueError naming the file for a schedule it does not have or a bad value."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: rtc_config must be a mapping or null, got {config!r}")
+    schedule = str(config.get("prefix_attention_schedule", "LINEAR")).upper()
+    if schedule not in _LEROBOT_RTC_SCHEDULES:
+        raise ValueError(f"{where}: rtc_config.prefix_attention_schedule {schedule} is not one of "
+                         f"{sorted(_LEROBOT_RTC_SCHEDULES)}")
+    try:
+        beta, horizon = float(config.get("max_guidance_weight", 10.0)), int(config.get("execution_horizon", 10))
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: rtc_config max_guidance_weight / execution_horizon are not numbers: "
+                         f"{config}") from None
+    if not (beta > 0 and math.isfinite(beta)) or horizon < 0:
+        raise ValueError(f"{where}: rtc_config needs max_guidance_weight > 0 and execution_horizon >= 0, got "
+                         f"{beta}, {horizon}")
+    return CheckpointRTC(bool(config.get("enabled", False)), _LEROBOT_RTC_SCHEDULES[schedule], beta, horizon)
 
 
 def lerobot_norm_stats(checkpoint_dir: str | Path) -> tuple[dict[str, NormStats], str] | None:

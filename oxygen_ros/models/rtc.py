@@ -11,6 +11,9 @@ chunk moves toward ``Y`` where the prefix weights ``W`` say so:
   (``linear``) or ``c_i · (e^{c_i} - 1) / (e - 1)`` (``exp``, the paper's Eq. 5);
 * from ``s`` on, and where the previous chunk has no action, the weight is 0.
 
+Two more schedules are LeRobot's (``RTCAttentionSchedule`` ZEROS and ONES, read from a checkpoint's
+``rtc_config``): ``zeros`` (a hard prefix: 1 for ``i < d``, 0 from d on) and ``ones`` (1 for every ``i < s``).
+
 Time convention. The paper integrates τ from 0 (noise) to 1 (data) with ``v = dA/dτ``; π0 / π0.5 (and this
 package, docs/models.md "Flow matching") integrate ``t`` from 1 (noise) to 0 (data) with
 ``x ← x + dt · v``, ``dt = -1/S``, so ``τ = 1 - t`` and ``v_π0 = -v_paper``. In π0 time:
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-SCHEDULES = ("linear", "exp")
+SCHEDULES = ("linear", "exp", "zeros", "ones")
 
 
 def prefix_weights(delay: int, execution_horizon: int, horizon: int, schedule: str = "exp") -> torch.Tensor:
@@ -42,7 +45,7 @@ def prefix_weights(delay: int, execution_horizon: int, horizon: int, schedule: s
         delay: d, the actions executed before the new chunk arrives (>= 0); clipped to the execution horizon.
         execution_horizon: s, where the weights reach 0 (>= 0); clipped to ``horizon``.
         horizon: H, actions per chunk (>= 1).
-        schedule: ``linear`` or ``exp`` decay between d and s.
+        schedule: ``linear`` or ``exp`` decay between d and s, ``zeros`` (0 between d and s) or ``ones`` (1).
 
     Returns:
         float32 ``[H]``: 1 for ``i < d``, the decay for ``d <= i < s``, 0 from s on.
@@ -59,7 +62,9 @@ def prefix_weights(delay: int, execution_horizon: int, horizon: int, schedule: s
     start = min(delay, end)
     weights = torch.zeros(horizon, dtype=torch.float32)
     weights[:start] = 1.0
-    if end > start:
+    if schedule == "ones":
+        weights[:end] = 1.0
+    elif end > start and schedule != "zeros":
         c = (end - torch.arange(start, end, dtype=torch.float64)) / (end - start + 1)
         if schedule == "exp":
             c = c * torch.expm1(c) / (math.e - 1.0)

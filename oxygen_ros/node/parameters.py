@@ -439,7 +439,24 @@ def engine_mapping(values: dict[str, Any], conventions: Conventions, camera_slot
     for task in tasks.values():
         task["prompt_template"] = task["prompt_template"] or conventions.language_prompt.template
     data["language_tasks"] = list(tasks.values())
+    data["rtc"].update(checkpoint_rtc_defaults(values, conventions))
     return data
+
+
+def checkpoint_rtc_defaults(values: Mapping[str, Any], conventions: Conventions) -> dict[str, Any]:
+    """The real-time chunking settings the checkpoint gives for the ``rtc.*`` parameters left at their declared
+    defaults (engine keys → values): its ``rtc_config``'s execution horizon, schedule and β
+    (:class:`~oxygen_ros.models.conventions.CheckpointRTC`); without one, an ``n_action_steps`` below the horizon H
+    gives the execution horizon H − n_action_steps (the overlap of consecutive chunks when each runs
+    n_action_steps actions). ``rtc.enabled`` is never taken from a checkpoint: guidance needs the robot's delay and
+    controller set up for it (``trajectory_stamp_policy: takeover``), the integrator's decision."""
+    given: dict[str, Any] = {}
+    if conventions.rtc is not None:
+        given = {"execution_horizon": conventions.rtc.execution_horizon, "schedule": conventions.rtc.schedule,
+                 "max_guidance_weight": conventions.rtc.max_guidance_weight}
+    elif conventions.action_steps is not None and conventions.action_steps < conventions.action_horizon:
+        given = {"execution_horizon": conventions.action_horizon - conventions.action_steps}
+    return {key: value for key, value in given.items() if values[f"rtc.{key}"] == default_value(f"rtc.{key}")}
 
 
 def read_settings(node: Node) -> NodeSettings:

@@ -15,7 +15,12 @@ API:
 
 Both readers offer what the player uses: ``connections`` (each with ``id``, ``topic``, ``msgtype``),
 ``start_time`` and ``duration`` [ns], ``messages(connections=...)`` yielding ``(connection, log time [ns],
-serialized CDR)``, and ``close()``.
+serialized CDR)``, ``typestore`` (the message definitions the bag was recorded with, where it stores them) and
+``close()``.
+
+Old recordings: :class:`Upgrade` re-encodes a message of this package recorded with an earlier definition of
+its type (a field added since, e.g. ``ActionChunk``'s ``rtc_*``) into the installed definition, the added
+fields at their documented "not set" value (:data:`ADDED_FIELD_DEFAULTS`, otherwise zero / empty).
 """
 
 from __future__ import annotations
@@ -25,12 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterable, Iterator, NamedTuple
 
+import numpy as np
+
 from mcap.exceptions import EndOfFile, McapError
 from mcap.records import Channel, Chunk, Footer, Message, Schema
 from mcap.stream_reader import StreamReader, breakup_chunk
 from mcap.writer import MCAP0_MAGIC
 from rosbags.highlevel import AnyReader, AnyReaderError
-from rosbags.typesys.store import Typestore
+from rosbags.typesys import get_types_from_msg
+from rosbags.typesys.store import Nodetype, Typestore
 
 
 class BagError(Exception):
@@ -108,6 +116,86 @@ class _Extent:
     finished: bool = False
 
 
+# The "not set" value of fields added to this package's messages, for messages recorded before they existed
+# (each field's comment in msg/ says what the value means); other added fields get zero / empty / false.
+ADDED_FIELD_DEFAULTS: dict[str, dict[str, object]] = {
+    "oxygen_ros/msg/ActionChunk": {"rtc_delay_steps": -1, "rtc_takeover_index": -1},
+}
+
+
+class Upgrade:
+    """Re-encodes CDR messages of ``msgtype`` recorded with the definition in ``recorded`` into the one in
+    ``installed``: fields of both keep their values, fields only the installed definition has get
+    :data:`ADDED_FIELD_DEFAULTS` or zero / empty / false (nested messages field by field), fields it no longer
+    has are dropped.
+
+    Raises:
+        ValueError: a field of both whose type changed (the recording cannot be read as the installed type).
+    """
+
+    def __init__(self, msgtype: str, recorded: Typestore, installed: Typestore):
+        self.msgtype, self._recorded, self._installed = msgtype, recorded, installed
+        old = dict(recorded.fielddefs[msgtype][1])
+        new = dict(installed.fielddefs[msgtype][1])
+        changed = [name for name in old.keys() & new.keys() if old[name] != new[name]]
+        if changed:
+            raise ValueError(f"{msgtype}: recorded with another type of field(s) {sorted(changed)}")
+        self.added = [name for name in new if name not in old]
+        self.dropped = [name for name in old if name not in new]
+
+    @staticmethod
+    def needed(msgtype: str, recorded: Typestore | None, installed: Typestore) -> bool:
+        """True when ``recorded`` defines ``msgtype`` with other fields than ``installed`` (None: unknown, False)."""
+        if recorded is None or msgtype not in recorded.fielddefs or msgtype not in installed.fielddefs:
+            return False
+        return recorded.fielddefs[msgtype][1] != installed.fielddefs[msgtype][1]
+
+    def __call__(self, raw: bytes) -> bytes:
+        """The installed type's CDR of the recorded message ``raw``."""
+        old = self._recorded.deserialize_cdr(bytes(raw), self.msgtype)
+        defaults = ADDED_FIELD_DEFAULTS.get(self.msgtype, {})
+        fields = {}
+        for name, definition in self._installed.fielddefs[self.msgtype][1]:
+            if name in self.added:
+                fields[name] = defaults[name] if name in defaults else self._zero(definition)
+            else:
+                fields[name] = getattr(old, name)
+        message = self._installed.types[self.msgtype](**fields)
+        return bytes(self._installed.serialize_cdr(message, self.msgtype))
+
+    def _zero(self, definition):
+        kind, detail = definition
+        if kind == Nodetype.BASE:
+            return {"string": "", "bool": False, "float32": 0.0, "float64": 0.0}.get(detail[0], 0)
+        if kind == Nodetype.NAME:
+            return self._installed.types[detail](**{n: self._zero(d) for n, d in self._installed.fielddefs[detail][1]})
+        element, length = detail
+        numeric = element[0] == Nodetype.BASE and element[1][0] not in ("string", "bool")
+        if kind == Nodetype.SEQUENCE:
+            return np.zeros(0, dtype=np.dtype(element[1][0])) if numeric else []
+        return np.zeros(length, dtype=np.dtype(element[1][0])) if numeric else [self._zero(element)] * length
+
+
+def _schema_types(schema: Schema) -> dict:
+    """The rosbags type definitions of one MCAP ``ros2msg`` schema (the type's text, then each nested type's
+    after a line of ``=`` and ``MSG: <type>``); empty for other encodings or text rosbags cannot parse."""
+    if schema.encoding != "ros2msg":
+        return {}
+    sections = [part for part in schema.data.decode("utf-8", "replace").split("\n" + "=" * 80 + "\n")]
+    types = {}
+    try:
+        types.update(get_types_from_msg(sections[0], schema.name))
+        for section in sections[1:]:
+            header, _, text = section.partition("\n")
+            if header.startswith("MSG: "):
+                name = header[5:].strip()
+                name = name if "/msg/" in name else name.replace("/", "/msg/", 1)
+                types.update(get_types_from_msg(text, name))
+    except Exception:  # noqa: BLE001  rosbags' parser raises its own error types on text it cannot read
+        return {}
+    return types
+
+
 class UnfinishedMcapReader:
     """Reads the complete records of MCAP files whose recorder never closed them (no summary or footer).
 
@@ -124,6 +212,7 @@ class UnfinishedMcapReader:
     def __init__(self, files: Iterable[Path]):
         self.files = tuple(Path(f) for f in files)
         self._ids: dict[tuple[str, str], RecoveredConnection] = {}
+        self._types: dict = {}
         count, start, end, skipped, finished = 0, 2**63 - 1, 0, 0, True
         for path in self.files:
             extent = _Extent()
@@ -134,6 +223,12 @@ class UnfinishedMcapReader:
                 finished = False
                 skipped += path.stat().st_size - extent.end
         self.connections: list[RecoveredConnection] = list(self._ids.values())
+        self.typestore: Typestore | None = None
+        if self._types:
+            from rosbags.typesys import Stores, get_typestore
+
+            self.typestore = get_typestore(Stores.EMPTY)
+            self.typestore.register(self._types)
         self.recovery = Recovery(self.files, count, start if count else 0, end, skipped, finished)
 
     @property
@@ -174,6 +269,8 @@ class UnfinishedMcapReader:
                     for item in breakup_chunk(record) if isinstance(record, Chunk) else [record]:
                         if isinstance(item, Schema):
                             schemas[item.id] = item
+                            if item.name not in self._types:
+                                self._types.update(_schema_types(item))
                         elif isinstance(item, Channel):
                             channels[item.id] = self._connection(item, schemas)
                         elif isinstance(item, Message):

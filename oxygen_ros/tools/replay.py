@@ -17,7 +17,9 @@ QoS: every topic is published reliable (compatible with reliable and best-effort
 late still gets the last instruction, as the oxygen node's instruction subscription expects.
 
 Like ``ros2 bag play``, topics whose message type is not installed here (a vendor's messages) are skipped
-with a warning and the rest is replayed. A recording whose recorder was killed (no ``metadata.yaml``, an
+with a warning and the rest is replayed. Messages of this package recorded before a field was added to their
+type (e.g. an ``ActionChunk`` without ``rtc_*``) are re-encoded to the installed type, the new fields at their
+"not set" values (``bag_reader.Upgrade``). A recording whose recorder was killed (no ``metadata.yaml``, an
 MCAP without its footer) is replayed up to its last complete chunk, with a warning that says how many
 messages were recovered and how much of the file's end was skipped (``bag_reader``). Errors (a missing or
 unreadable bag, nothing to replay) end the program with one line ``oxygen_ros replay: error: ...`` and exit
@@ -41,7 +43,7 @@ from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.serialization import deserialize_message, serialize_message
 
-from oxygen_ros.tools.bag_reader import BagError, open_bag
+from oxygen_ros.tools.bag_reader import BagError, Upgrade, open_bag
 from oxygen_ros.tools.bag_recorder import message_class, project_typestore
 
 _LATCHED_TYPES = {"std_msgs/msg/String"}
@@ -100,9 +102,15 @@ class BagPlayer(Node):
             wanted = set(topics) if topics is not None else None
             chosen = [c for c in reader.connections if wanted is None or c.topic in wanted]
             self._classes, self.skipped = {}, {}
+            # Messages of this package recorded with an earlier definition of their type are re-encoded.
+            installed, recorded = project_typestore(), getattr(reader, "typestore", None)
+            self.upgrades: dict[int, Upgrade] = {}
             for connection in chosen:
                 try:
-                    self._classes[connection.id] = message_class(connection.msgtype)
+                    cls = message_class(connection.msgtype)
+                    if Upgrade.needed(connection.msgtype, recorded, installed):
+                        self.upgrades[connection.id] = Upgrade(connection.msgtype, recorded, installed)
+                    self._classes[connection.id] = cls
                 except (ImportError, AttributeError, ValueError) as err:
                     self.skipped[connection.topic] = f"{connection.msgtype or 'no type'} ({err})"
             self._connections = [c for c in chosen if c.id in self._classes]
@@ -126,7 +134,8 @@ class BagPlayer(Node):
         self._thread: threading.Thread | None = None
         super().__init__(node_name, **node_kwargs)
         for topic, reason in self.skipped.items():
-            self.get_logger().warning(f"skipping {topic}: message type {reason} is not installed here")
+            self.get_logger().warning(f"skipping {topic}: message type {reason} is not installed here, or was "
+                                    "recorded with an incompatible definition")
         if self.recovery is not None and not self.recovery.finished:
             self.get_logger().warning(self.recovery.describe())
         self._replay_publishers = {}
@@ -162,6 +171,8 @@ class BagPlayer(Node):
         super().destroy_node()
 
     def _serialized(self, connection, raw: bytes) -> bytes:
+        if connection.id in self.upgrades:
+            raw = self.upgrades[connection.id](raw)
         if not self.restamp:
             return bytes(raw)
         msg = deserialize_message(bytes(raw), self._classes[connection.id])
