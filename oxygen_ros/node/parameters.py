@@ -443,6 +443,20 @@ def engine_mapping(values: dict[str, Any], conventions: Conventions, camera_slot
     return data
 
 
+def rtc_parameters(horizon: int, steps_between_chunks: int, delay_steps: int | None) -> dict:
+    """The node parameters of real-time chunking for chunks of ``horizon`` actions, one every
+    ``steps_between_chunks`` control steps: guidance toward the whole overlap with the chunk in flight
+    (``rtc.execution_horizon`` = H − steps between chunks, where the paper's prefix weights reach 0), the
+    delay fixed at ``delay_steps`` (an injected delay) or measured (None: ``auto``). Tools (the demo, the
+    evaluation) set RTC with these."""
+    params = {"rtc.enabled": True, "rtc.execution_horizon": max(0, horizon - steps_between_chunks)}
+    if delay_steps is None:
+        params["rtc.delay_mode"] = "auto"
+    else:
+        params.update({"rtc.delay_mode": "fixed", "rtc.fixed_delay_steps": delay_steps})
+    return params
+
+
 def checkpoint_rtc_defaults(values: Mapping[str, Any], conventions: Conventions) -> dict[str, Any]:
     """The real-time chunking settings the checkpoint gives for the ``rtc.*`` parameters left at their declared
     defaults (engine keys → values): its ``rtc_config``'s execution horizon, schedule and β

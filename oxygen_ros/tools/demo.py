@@ -59,7 +59,8 @@ from oxygen_ros import demo_task  # noqa: E402
 from oxygen_ros.assets import demo_policy_dir, policy_cameras, read_policy_file  # noqa: E402
 from oxygen_ros.models.processing import ACTION_PROMPT  # noqa: E402
 from oxygen_ros.msg import ActionChunk, MemoryEntry, Speech  # noqa: E402
-from oxygen_ros.node.parameters import overrides  # noqa: E402
+from oxygen_ros.models import get_preset  # noqa: E402
+from oxygen_ros.node.parameters import overrides, rtc_parameters  # noqa: E402
 from oxygen_ros.tools import demo_data, sim_robot  # noqa: E402
 from oxygen_ros.tools.bag_recorder import BagRecorder, default_run_dir  # noqa: E402
 from oxygen_ros.tools.child_process import start_child, stop_child  # noqa: E402
@@ -122,6 +123,12 @@ def node_parameters(args: argparse.Namespace) -> dict:
         # Speech and memory read the action task's prefix KV: one prefill per frame serves all three tasks
         # (the unified cache's sharing at its best; what makes the CPU demo meet its rates).
         params["speech.prompt_template"] = params["memory.prompt_template"] = ACTION_PROMPT
+    if args.rtc == "on":
+        # Real-time chunking with the delay the node measures, guided toward the whole overlap with the chunk in
+        # flight (docs/demo-policy.md, "Real-time chunking": on the shipped policy it transfers at least as often
+        # as the newest chunk and halves the seams).
+        params.update(rtc_parameters(get_preset(args.preset).action_horizon,
+                                     max(1, round(1.0 / (args.control_rate * params["action_dt_s"]))), None))
     params.update(overrides(args.param))
     return params
 
@@ -218,6 +225,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "'transfer the cube to the left arm'; with --random-weights 'pick up the red cube')")
     parser.add_argument("--control-rate", type=float, default=None,
                         help="action chunks per second [Hz] (default 4; 3 with --random-weights)")
+    parser.add_argument("--rtc", choices=("on", "off"), default="on",
+                        help="real-time chunking: each chunk continues the one the robot executes (default on)")
     parser.add_argument("--camera-rate", type=float, default=None,
                         help="images per second per camera [Hz] (default: 3 / the number of cameras the policy "
                              "sees: 1 for three cameras)")

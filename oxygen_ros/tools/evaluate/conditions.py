@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from oxygen_ros.demo_task import DT, INSTRUCTION, JOINTS, SUBTASKS
+from oxygen_ros.node.parameters import rtc_parameters
 
 CONDITIONS = ("node-lockstep", "node-realtime", "sync", "random", "expert")
 CHUNKING = ("newest", "ensemble", "rtc")
@@ -35,19 +36,6 @@ class Run:
     execute_steps: int
     ensemble_m: float
     params: dict
-
-
-def rtc_parameters(horizon: int, steps_between_chunks: int, delay_steps: int | None) -> dict:
-    """The node parameters of real-time chunking for chunks of ``horizon`` actions, one every
-    ``steps_between_chunks`` control steps: guidance toward the whole overlap with the chunk in flight
-    (``rtc.execution_horizon`` = H − steps between chunks, where the paper's prefix weights reach 0), the
-    delay fixed at ``delay_steps`` (an injected delay) or measured (None: ``auto``)."""
-    params = {"rtc.enabled": True, "rtc.execution_horizon": max(0, horizon - steps_between_chunks)}
-    if delay_steps is None:
-        params["rtc.delay_mode"] = "auto"
-    else:
-        params.update({"rtc.delay_mode": "fixed", "rtc.fixed_delay_steps": delay_steps})
-    return params
 
 
 def plan_runs(args) -> list[Run]:
