@@ -50,10 +50,9 @@ def test_text_query_ranks_by_bm25_and_finds_every_matching_caption(store):
     assert set(_ids(hits)) == {"a", "d", "f"}
     assert all(h.score > 0 for h in hits)
     assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
-    # a caption with more of the rarer words ranks higher (BM25's IDF: a word in half of these six entries
-    # weighs nothing, so "red cube" alone does not order a, d, f)
-    ranked = _ids(store.query(MemoryQuery(text="red cube on the kitchen counter")))
-    assert ranked[:2] == ["b", "a"] and ranked.index("a") < ranked.index("d")
+    # words in half or more of the entries weigh nothing in BM25 (its IDF) and are not matched: "red", "cube",
+    # "on", "the" here; "kitchen counter" ranks the shorter caption first (BM25's length normalisation)
+    assert _ids(store.query(MemoryQuery(text="red cube on the kitchen counter"))) == ["b", "a"]
     assert _ids(store.query(MemoryQuery(text="Gripper holding the red cube")))[0] == "d"
     assert _ids(store.query(MemoryQuery(text="mug?", k=10))) == ["c"]
     assert store.query(MemoryQuery(text="giraffe", k=10)) == []
@@ -223,3 +222,24 @@ def test_cli_query_prune_export_stats(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert cli(["query", str(path), "--near", "0", "0", "0"]) == 1
     assert "radius" in capsys.readouterr().err
+
+
+def test_memory_prompt_recall_text_and_template(store):
+    from oxygen_ros.memory.prompt import fill_memory, has_memory_field, memory_text, recall
+
+    # the question's weighted words find the kitchen captions (best BM25 first), else the newest entries
+    assert {r.entry_id for r in recall(store, "the red cube at the kitchen?", k=2)} == {"a", "b"}
+    assert [r.entry_id for r in recall(store, "giraffe", k=2)] == ["f", "e"]
+    assert [r.entry_id for r in recall(store, "", k=1, robot="r2")] == ["e"]
+    text, ids = memory_text(recall(store, "mug gripper", k=2))
+    # oldest first, with time and place; one line
+    assert ids == ["c", "d"]
+    assert text == "t=30.0s at (5.0, 0.0): a blue mug on the shelf; t=40.0s at (10.0, 0.0): the red cube in the " \
+                   "left gripper"
+    assert memory_text([ENTRIES[5]])[0] == "t=60.0s: a red cube seen by a robot that did not know where it was"
+    assert memory_text([]) == ("", [])
+    template = "Memory: {memory}\nQ: {instruction} {{memory}} {state}"
+    assert has_memory_field(template) and not has_memory_field("Q: {instruction} {{memory}}")
+    filled = fill_memory(template, "t=1.0s: a {weird} caption")
+    assert filled == "Memory: t=1.0s: a {{weird}} caption\nQ: {instruction} {{memory}} {state}"
+    assert filled.format(instruction="where?", state="s") == "Memory: t=1.0s: a {weird} caption\nQ: where? {memory} s"

@@ -147,6 +147,36 @@ def test_query_memory_answers_from_the_store(harness):
     assert not refused.success and "radius" in refused.message
 
 
+def test_ask_fills_memory_from_the_store_and_lists_the_entries(harness):
+    from action_msgs.msg import GoalStatus
+    from oxygen_ros.action import Ask
+    from rclpy.action import ActionClient
+
+    from oxygen_ros.memory import SqliteMemoryStore
+
+    client = ActionClient(harness.robot, Ask, harness.topic("oxygen_node/ask"))
+    try:
+        assert client.wait_for_server(timeout_sec=20.0)
+        sent = client.send_goal_async(Ask.Goal(task="speech", instruction="where was the cube?", memory_k=3,
+                                               prompt_template="Memory: {memory}. Question: {instruction}"))
+        assert wait_for(sent.done, 30.0)
+        handle = sent.result()
+        assert handle.accepted
+        answer = handle.get_result_async()
+        assert wait_for(answer.done, 90.0)
+        response = answer.result()
+    finally:
+        client.destroy()
+    result = response.result
+    assert response.status == GoalStatus.STATUS_SUCCEEDED, result.message
+    assert len(result.memory_entry_ids) == 3
+    with SqliteMemoryStore(harness.store_path) as store:
+        used = store.get(result.memory_entry_ids)
+    assert [r.entry_id for r in used] == list(result.memory_entry_ids)     # all stored
+    assert [r.stamp_s for r in used] == sorted(r.stamp_s for r in used)      # in the prompt: oldest first
+    assert all(r.robot == harness.namespace.strip("/") for r in used)
+
+
 def test_the_store_survives_a_cleanup_and_configure(harness):
     from oxygen_ros.memory import SqliteMemoryStore
 

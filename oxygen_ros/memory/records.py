@@ -93,8 +93,9 @@ class MemoryRecord:
 class MemoryQuery:
     """A retrieval: filters (each off at its default) and a ranking.
 
-    Ranking: by the caption's full-text match to ``text`` (BM25, larger score = better) when ``text`` is
-    given; else by cosine similarity to ``embedding`` when given (score in [-1, 1]); else newest first
+    Ranking: by the caption's full-text match to ``text`` (BM25, larger score = better; an entry matches when
+    its caption has one of the words, words in half or more of the entries aside: they carry no BM25 weight)
+    when ``text`` is given; else by cosine similarity to ``embedding`` when given (score in [-1, 1]); else newest first
     (score 0). ``text`` and ``embedding`` are not combined: a text query's words and an observation's
     pooled prefix state are not in one space (docs/memory.md).
 

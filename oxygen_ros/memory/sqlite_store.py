@@ -6,7 +6,8 @@ Layout (schema version 1, ``PRAGMA user_version``):
   ``camera_names`` (JSON), the pose (``frame_id`` NULL when the entry has none; ``x y z`` [m], ``qx qy qz qw``,
   ``pose_stamp_s``) and ``embedding`` (float32 little-endian bytes, NULL when none); indexes on ``stamp_s``
   and ``(robot, stamp_s)``.
-* ``entries_fts``: an FTS5 index of ``text`` (external content, kept in step by triggers), ranked by BM25.
+* ``entries_fts``: an FTS5 index of ``text`` (external content, kept in step by triggers), ranked by BM25;
+  ``entries_vocab`` its per-word document counts, ``entries_count`` the number of entries (kept by triggers).
 * ``entries_place``: an R*Tree of the positions (entries with a pose), the place filter's first step.
 
 Durability: write-ahead log (``journal_mode=WAL``) and ``synchronous=FULL`` by default: each
@@ -51,13 +52,18 @@ CREATE TABLE IF NOT EXISTS entries (
 CREATE INDEX IF NOT EXISTS entries_stamp ON entries(stamp_s);
 CREATE INDEX IF NOT EXISTS entries_robot_stamp ON entries(robot, stamp_s);
 CREATE VIRTUAL TABLE IF NOT EXISTS entries_fts USING fts5(text, content='entries', content_rowid='id');
+CREATE VIRTUAL TABLE IF NOT EXISTS entries_vocab USING fts5vocab(entries_fts, 'row');
 CREATE VIRTUAL TABLE IF NOT EXISTS entries_place USING rtree(id, min_x, max_x, min_y, max_y, min_z, max_z);
+CREATE TABLE IF NOT EXISTS entries_count (n INTEGER NOT NULL);
+INSERT INTO entries_count SELECT 0 WHERE NOT EXISTS (SELECT 1 FROM entries_count);
 CREATE TRIGGER IF NOT EXISTS entries_insert AFTER INSERT ON entries BEGIN
+    UPDATE entries_count SET n = n + 1;
     INSERT INTO entries_fts(rowid, text) VALUES (new.id, new.text);
     INSERT INTO entries_place SELECT new.id, new.x, new.x, new.y, new.y, new.z, new.z
         WHERE new.frame_id IS NOT NULL;
 END;
 CREATE TRIGGER IF NOT EXISTS entries_delete AFTER DELETE ON entries BEGIN
+    UPDATE entries_count SET n = n - 1;
     INSERT INTO entries_fts(entries_fts, rowid, text) VALUES ('delete', old.id, old.text);
     DELETE FROM entries_place WHERE id = old.id;
 END;
@@ -185,10 +191,10 @@ class SqliteMemoryStore(MemoryStore):
 
     def query(self, query: MemoryQuery) -> list[Hit]:
         where, params = self._filters(query)
-        terms = sorted(words(query.text))
         with self._read_lock:
             self._check_open()
             db = self._read
+            terms = self._weighted_terms(db, sorted(words(query.text)))
             if terms:
                 match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
                 sql = (f"SELECT {_COLUMNS}, -bm25(entries_fts) FROM entries_fts JOIN entries e "
@@ -204,6 +210,20 @@ class SqliteMemoryStore(MemoryStore):
                                   "LIMIT ?", [*params, query.k]).fetchall()
                 return [Hit(self._record(row), 0.0) for row in rows]
             return self._embedding_query(db, query, clause, params)
+
+    @staticmethod
+    def _weighted_terms(db: sqlite3.Connection, terms: list[str]) -> list[str]:
+        """The words of a text query worth matching: those in fewer than half of the entries. BM25's inverse
+        document frequency, ``log((N - n + 0.5) / (n + 0.5))``, is <= 0 for a word in ``n >= N / 2`` of ``N``
+        entries (FTS5 then weighs it ~1e-6): such a word ("the", "a") changes no ranking but makes the match
+        set, and the cost, the whole store. All of ``terms`` when every one is such a word."""
+        if not terms:
+            return terms
+        total = db.execute("SELECT n FROM entries_count").fetchone()[0]
+        counts = dict(db.execute(f"SELECT term, doc FROM entries_vocab WHERE term IN ({','.join('?' * len(terms))})",
+                                 terms).fetchall())
+        weighted = [t for t in terms if 2 * counts.get(t, 0) < total]
+        return weighted or terms
 
     @staticmethod
     def _filters(query: MemoryQuery) -> tuple[list[str], list]:
@@ -287,7 +307,7 @@ class SqliteMemoryStore(MemoryStore):
     def count(self) -> int:
         with self._read_lock:
             self._check_open()
-            return self._read.execute("SELECT count(*) FROM entries").fetchone()[0]
+            return self._read.execute("SELECT n FROM entries_count").fetchone()[0]
 
     def stats(self) -> dict:
         with self._read_lock:

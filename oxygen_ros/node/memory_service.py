@@ -10,7 +10,7 @@
   entry, counted and warned) for a writer thread that inserts it into the SQLite store
   (:class:`~oxygen_ros.memory.sqlite_store.SqliteMemoryStore`) and applies the retention rules every
   ``memory.store.prune_every_s``; ``~/query_memory`` (``oxygen_ros/srv/QueryMemory``) answers from the store, in
-  a callback group of its own.
+  a callback group of its own; ``~/ask`` fills a prompt's ``{memory}`` field from it (:meth:`MemoryService.recall`).
 
 Threads: the pose callback and the service run on the executor; :meth:`MemoryService.complete` and
 :meth:`MemoryService.record` on the control-cycle thread (both only take a lock or put on a queue).
@@ -33,6 +33,7 @@ from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
 
 from oxygen_ros.memory import MemoryQuery, MemoryRecord, MemoryStore, Pose, RetentionPolicy, open_store
+from oxygen_ros.memory.prompt import memory_text, recall
 from oxygen_ros.node.inputs import DropCounter, is_zero, stamp_seconds
 from oxygen_ros.node.parameters import MemorySettings
 
@@ -259,6 +260,7 @@ class MemoryService:
                                        node.get_logger().info)
             self._service = node.create_service(QueryMemory, "~/query_memory", self._on_query,
                                                 callback_group=MutuallyExclusiveCallbackGroup())
+            node.commands.attach_memory(self)     # ~/ask's {memory} field
         if settings.pose_topic:
             self._subscription = node.create_subscription(PoseStamped, settings.pose_topic, self._on_pose, _POSE_QOS)
 
@@ -297,6 +299,15 @@ class MemoryService:
         if self.writer is not None:
             self.writer.put(record_of(msg))
 
+    def recall(self, question: str, k: int) -> tuple[str, list[str]]:
+        """The ``{memory}`` text of an ``~/ask`` goal and the ids of its entries (this robot's entries:
+        :func:`oxygen_ros.memory.prompt.recall`, :func:`~oxygen_ros.memory.prompt.memory_text`). Raises
+        RuntimeError without a store, and the store's errors."""
+        writer = self.writer
+        if writer is None:
+            raise RuntimeError("no memory store (set memory.store.path)")
+        return memory_text(recall(writer.store, question, k, self.robot))
+
     def _on_query(self, request, response):
         response.success = False
         writer = self.writer
@@ -321,6 +332,8 @@ class MemoryService:
 
     def destroy(self) -> None:
         """Destroy the subscription and the service, store what is queued and close the store. Idempotent."""
+        if self._service is not None:
+            self._node.commands.attach_memory(None)
         if self._subscription is not None:
             self._node.destroy_subscription(self._subscription)
         if self._service is not None:
