@@ -11,7 +11,8 @@ synthetic entries in batches of 1000 (captions from a small vocabulary of object
 * ``insert_1``: one entry per transaction (what the node's writer does at one entry per memory period), with
   ``synchronous=full`` (fsync per commit) and ``normal``; median and 95th percentile of ``--inserts``;
 * queries (``k`` = 10), median and 95th percentile of ``--queries`` each, with varied parameters: ``text``
-  (two words, BM25), ``time`` (a 10-minute window), ``place`` (2 m radius), ``combined`` (text + place +
+  (two words, BM25), ``question`` (the two words in "where did you see the ...?": "the" is in every caption and
+  is not matched, the other words in none), ``time`` (a 10-minute window), ``place`` (2 m radius), ``combined`` (text + place +
   1-hour window + robot), ``embedding`` (cosine scan of every entry; only up to ``--scan-max`` entries);
 * ``prune_duplicates``: one near-duplicate pass (radius 0.5 m, the same words) over the whole store;
 * ``bytes``: the file after a checkpoint, and per entry.
@@ -114,6 +115,8 @@ def measure(n: int, width: int, directory: Path, inserts: int, queries: int, sca
             return [tuple(positions[rng.integers(len(positions))]) for _ in range(queries)]
 
         row["query_text_ms"] = _timed([lambda t=t: store.query(MemoryQuery(text=t)) for t in texts()])
+        row["query_question_ms"] = _timed([lambda t=t: store.query(MemoryQuery(text=f"where did you see the {t}?"))
+                                           for t in texts()])
         windows = rng.uniform(0, max(span - 600.0, 1.0), size=queries)
         row["query_time_ms"] = _timed([lambda s=s: store.query(MemoryQuery(since_s=s, until_s=s + 600.0))
                                        for s in windows])
@@ -143,6 +146,7 @@ COLUMNS = [
     Column("ins full", 13, lambda r: "{:.1f}/{:.1f}".format(*r["insert_1_full_ms"])),
     Column("ins normal", 13, lambda r: "{:.2f}/{:.2f}".format(*r["insert_1_normal_ms"])),
     Column("text", 13, lambda r: "{:.1f}/{:.1f}".format(*r["query_text_ms"])),
+    Column("question", 13, lambda r: "{:.1f}/{:.1f}".format(*r["query_question_ms"])),
     Column("time", 13, lambda r: "{:.1f}/{:.1f}".format(*r["query_time_ms"])),
     Column("place", 13, lambda r: "{:.1f}/{:.1f}".format(*r["query_place_ms"])),
     Column("combined", 13, lambda r: "{:.1f}/{:.1f}".format(*r["query_combined_ms"])),
