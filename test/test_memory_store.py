@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -243,3 +244,36 @@ def test_memory_prompt_recall_text_and_template(store):
     filled = fill_memory(template, "t=1.0s: a {weird} caption")
     assert filled == "Memory: t=1.0s: a {{weird}} caption\nQ: {instruction} {{memory}} {state}"
     assert filled.format(instruction="where?", state="s") == "Memory: t=1.0s: a {weird} caption\nQ: where? {memory} s"
+
+
+@pytest.mark.ros
+def test_writer_drops_and_counts_beyond_its_queue_then_stores_what_is_queued(tmp_path):
+    import threading
+
+    from oxygen_ros.node.inputs import DropCounter
+    from oxygen_ros.node.memory_service import MemoryWriter
+
+    class SlowStore(SqliteMemoryStore):
+        release = threading.Event()
+
+        def insert(self, records):
+            self.release.wait(10.0)
+            return super().insert(records)
+
+    warnings = []
+    drops = DropCounter(warnings.append, what="memory")
+    writer = MemoryWriter(SlowStore(tmp_path / "slow.db"), 2, RetentionPolicy(), 60.0, lambda: 0.0, drops,
+                          lambda message: None)
+    assert writer.put(ENTRIES[0])
+    # the writer holds ENTRIES[0] inside the blocked insert once the queue is empty again
+    deadline = time.monotonic() + 10.0
+    while not writer._queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer.put(ENTRIES[1]) and writer.put(ENTRIES[2])
+    assert not writer.put(ENTRIES[3])      # the queue holds 2: dropped, counted, warned
+    assert drops.counts() == {"memory_queue_full": 1} and "memory_queue_full" in warnings[0]
+    SlowStore.release.set()
+    writer.close()
+    assert writer.written == 3
+    with SqliteMemoryStore(tmp_path / "slow.db") as store:
+        assert sorted(r.entry_id for r in store.records()) == ["a", "b", "c"]

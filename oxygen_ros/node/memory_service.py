@@ -41,6 +41,7 @@ POSE_BUFFER_SIZE = 400       # pose samples kept (20 s of a 20 Hz localisation)
 MAX_QUERY_K = 1000           # most entries one ~/query_memory answer carries
 _WRITE_BATCH = 64            # most queued entries one store transaction takes
 _CLOSE_TIMEOUT_S = 10.0      # how long cleanup waits for the writer to store what is queued [s]
+_WAKE = object()             # put on the writer's queue by close: stop waiting
 _POSE_QOS = QoSProfile(history=HistoryPolicy.KEEP_LAST, depth=50, reliability=ReliabilityPolicy.BEST_EFFORT)
 
 
@@ -126,12 +127,6 @@ class MemoryWriter:
                              f"{self._queue.maxsize} entries already wait for the store (a slow disk?)")
             return False
 
-    def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait up to ``timeout_s`` [s] until every queued record is written; False on timeout."""
-        done = threading.Event()
-        threading.Thread(target=lambda: (self._queue.join(), done.set()), daemon=True).start()
-        return done.wait(timeout_s)
-
     def _run(self) -> None:
         self._prune()
         next_prune = time.monotonic() + self._prune_every_s
@@ -140,13 +135,15 @@ class MemoryWriter:
                 first = self._queue.get(timeout=min(1.0, max(0.0, next_prune - time.monotonic())))
             except queue.Empty:
                 first = None
-            if first is not None:
+            if first is not None and first is not _WAKE:
                 batch = [first]
                 while len(batch) < _WRITE_BATCH:
                     try:
-                        batch.append(self._queue.get_nowait())
+                        item = self._queue.get_nowait()
                     except queue.Empty:
                         break
+                    if item is not _WAKE:
+                        batch.append(item)
                 self._write(batch)
             if time.monotonic() >= next_prune:
                 self._prune()
@@ -159,9 +156,6 @@ class MemoryWriter:
             self.written += self.store.insert(batch)
         except Exception as err:    # a full disk must not end the thread: counted, the next batch is tried
             self._drops.drop("memory_store_failed", f"{len(batch)} memory entries not stored: {err}")
-        finally:
-            for _ in batch:
-                self._queue.task_done()
 
     def _prune(self) -> None:
         if not self._policy.active:
@@ -177,6 +171,10 @@ class MemoryWriter:
     def close(self, timeout_s: float = _CLOSE_TIMEOUT_S) -> None:
         """Write what is queued (up to ``timeout_s`` [s]), stop the thread and close the store. Idempotent."""
         self._stop.set()
+        try:
+            self._queue.put_nowait(_WAKE)    # ends the wait for the next entry now
+        except queue.Full:
+            pass                             # a full queue wakes it anyway
         self._thread.join(timeout_s)
         self.store.close()
 
