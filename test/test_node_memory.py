@@ -188,3 +188,69 @@ def test_the_store_survives_a_cleanup_and_configure(harness):
         assert with_embedding and all(r.embedding.shape == (256,) for r in with_embedding)
     assert harness.change_state("configure") and harness.change_state("activate")
     assert before <= {e.entry_id for e in _query(harness, k=1000).entries}
+
+
+def test_the_store_survives_a_kill_9_of_the_node_process(tmp_path):
+    import os
+    import signal
+    import threading
+
+    import rclpy
+    from oxygen_ros.msg import MemoryEntry
+    from rclpy.context import Context
+    from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+    from node_support import RobotSide, start_executable
+    from oxygen_ros.memory import SqliteMemoryStore
+
+    namespace = f"/memory_kill_{os.getpid()}"
+    store_path = tmp_path / "killed.db"
+    process = start_executable(tmp_path, namespace, overrides=(f"memory.store.path:={store_path}",
+                                                               "memory.trigger.every_s:=0.5"))
+    context = Context()
+    rclpy.init(context=context)
+    side = RobotSide(context, namespace, base_s=3000)
+    published = []
+    side.node.create_subscription(MemoryEntry, "oxygen_node/memory", lambda m: published.append(m.entry_id),
+                                  QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE))
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(side.node)
+
+    def spin():
+        try:
+            executor.spin()
+        except ExternalShutdownException:
+            pass
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    stored_before: set[str] = set()
+    try:
+        def stored() -> set[str]:
+            if not store_path.exists():
+                return set()
+            with SqliteMemoryStore(store_path) as store:
+                return {r.entry_id for r in store.records(embeddings=False)}
+
+        # three published entries in the store while the node runs (the writer thread commits each batch)
+        assert wait_for(lambda: process.poll() is None and len(published) >= 3 and
+                        set(published[:3]) <= (stored_before := stored()), 120.0, 0.2), \
+            (process.poll(), published, stored_before)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30.0)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+        executor.shutdown(timeout_sec=5.0)
+        thread.join(timeout=5.0)
+        side.node.destroy_node()
+        context.try_shutdown()
+        context.destroy()
+    with SqliteMemoryStore(store_path) as store:
+        assert store._read.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        after = {r.entry_id for r in store.records(embeddings=False)}
+    assert stored_before <= after
+    assert set(published) - after <= set(published[-2:])   # at most what was in flight when killed
