@@ -111,6 +111,14 @@ def test_a_pose_in_another_frame_is_dropped_and_counted(harness):
     finally:
         harness.pose_frame = "map"
 
+    def reported(key):
+        return [int(v.value) for message in list(harness.received["diagnostics"])[-3:] for status in message.status
+                for v in status.values if v.key == key]
+
+    # counted on /diagnostics, with the entries stored
+    assert wait_for(lambda: any(n >= 2 for n in reported("memory pose_wrong_frame")), 10.0)
+    assert wait_for(lambda: any(n >= 1 for n in reported("memory_stored")), 10.0)
+
 
 def test_query_memory_answers_from_the_store(harness):
     from builtin_interfaces.msg import Time

@@ -26,6 +26,8 @@ import time
 from typing import Callable
 
 import numpy as np
+from builtin_interfaces.msg import Time
+from diagnostic_msgs.msg import KeyValue
 from geometry_msgs.msg import PoseStamped
 from oxygen_ros.msg import MemoryEntry
 from oxygen_ros.srv import QueryMemory
@@ -195,14 +197,14 @@ def record_of(msg: MemoryEntry) -> MemoryRecord:
     pose = None
     if msg.has_pose:
         p, q = msg.pose.pose.position, msg.pose.pose.orientation
-        pose = Pose(msg.pose.header.frame_id, (p.x, p.y, p.z), (q.x, q.y, q.z, q.w), stamp_seconds(msg.pose.header.stamp))
+        pose = Pose(msg.pose.header.frame_id, (p.x, p.y, p.z), (q.x, q.y, q.z, q.w),
+                    stamp_seconds(msg.pose.header.stamp))
     embedding = np.array(msg.embedding, dtype=np.float32) if len(msg.embedding) else None
     return MemoryRecord(msg.entry_id, stamp_seconds(msg.header.stamp), msg.text, msg.robot, msg.instruction,
                         tuple(msg.camera_names), pose, embedding)
 
 
-def _time_msg(seconds: float):
-    from builtin_interfaces.msg import Time
+def _time_msg(seconds: float) -> Time:
     sec = math.floor(seconds)
     return Time(sec=int(sec), nanosec=min(int(round((seconds - sec) * 1e9)), 999_999_999))
 
@@ -261,6 +263,15 @@ class MemoryService:
             node.commands.attach_memory(self)     # ~/ask's {memory} field
         if settings.pose_topic:
             self._subscription = node.create_subscription(PoseStamped, settings.pose_topic, self._on_pose, _POSE_QOS)
+
+    def key_values(self) -> list[KeyValue]:
+        """The figures for ``/diagnostics`` (the node's engine status): ``memory_stored`` (entries written since
+        configure, with a store) and ``memory <reason>`` per counted drop (``memory_queue_full``,
+        ``memory_store_failed``, ``memory_prune_failed``, ``pose_wrong_frame``, ``pose_unstamped``,
+        ``pose_not_finite``, ``pose_went_back``)."""
+        values = [] if self.writer is None else [KeyValue(key="memory_stored", value=str(self.writer.written))]
+        drops = sorted(self.drops.counts().items())
+        return values + [KeyValue(key=f"memory {reason}", value=str(n)) for reason, n in drops]
 
     # ---- place ------------------------------------------------------------------------------------
 

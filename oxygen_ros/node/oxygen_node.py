@@ -477,6 +477,7 @@ class OxygenNode(ManagedNode):
         self._qos_reported = qos_total
         diagnostics.status[0].values.append(KeyValue(key="speech_text_withheld",
                                                      value=str(self.speech_text_withheld())))
+        diagnostics.status[0].values.extend(self._topics.memory_service.key_values())   # stored, dropped
         self._conflicts.annotate(diagnostics.status[0], self._conflict_policy())
         diagnostics.status.extend(self._topic_statuses(settings))
         self._topics.diagnostics.publish(diagnostics)

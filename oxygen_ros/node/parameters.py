@@ -608,7 +608,8 @@ def settings_from_values(values: Mapping[str, Any], log: Callable[[str], None] |
         joint_limits=joint_limits,
         joint_limits_from_robot_description=bool(v["joint_limits.from_robot_description"]),
         engine=engine, memory=MemorySettings(
-            robot=v["memory.robot"], pose_topic=v["memory.pose.topic"], pose_max_age_s=float(v["memory.pose.max_age_s"]),
+            robot=v["memory.robot"], pose_topic=v["memory.pose.topic"],
+            pose_max_age_s=float(v["memory.pose.max_age_s"]),
             fixed_frame=v["memory.pose.fixed_frame"], store_path=v["memory.store.path"],
             queue_size=int(v["memory.store.queue_size"]), synchronous=v["memory.store.synchronous"],
             max_age_s=float(v["memory.store.max_age_s"]), max_count=int(v["memory.store.max_count"]),
