@@ -13,7 +13,8 @@ synthetic entries in batches of 1000 (captions from a small vocabulary of object
 * queries (``k`` = 10), median and 95th percentile of ``--queries`` each, with varied parameters: ``text``
   (two words, BM25), ``question`` (the two words in "where did you see the ...?": "the" is in every caption and
   is not matched, the other words in none), ``time`` (a 10-minute window), ``place`` (2 m radius),
-  ``combined`` (text + place + 1-hour window + robot), ``embedding`` (cosine scan of every entry; only up to ``--scan-max`` entries);
+  ``combined`` (text + place + 1-hour window + robot), ``embedding`` (cosine scan of every entry; only up to
+  ``--scan-max`` entries);
 * ``prune_duplicates``: one near-duplicate pass (radius 0.5 m, the same words) over the whole store;
 * ``bytes``: the file after a checkpoint, and per entry.
 
