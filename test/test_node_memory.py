@@ -262,3 +262,16 @@ def test_the_store_survives_a_kill_9_of_the_node_process(tmp_path):
         after = {r.entry_id for r in store.records(embeddings=False)}
     assert stored_before <= after
     assert set(published) - after <= set(published[-2:])   # at most what was in flight when killed
+
+
+def test_a_store_that_cannot_be_opened_fails_configure_with_the_reason(tmp_path):
+    not_a_database = tmp_path / "memory.db"
+    not_a_database.write_bytes(b"this is not an SQLite file" * 100)
+    h = Harness(tiny_parameters(**{"memory.store.path": str(not_a_database)}))
+    try:
+        assert wait_for(lambda: h.node.configure_error is not None, 30.0)
+        assert h.node.lifecycle_state == "unconfigured"
+        assert "not a database" in h.node.configure_error
+        assert h.node.engine is None       # refused before the model was loaded
+    finally:
+        h.close()
