@@ -1,4 +1,5 @@
-"""`pip install .`: the ROS-free oxygen_ros library (models, engine, benchmarks) and its command-line tools.
+"""`pip install .`: the ROS-free oxygen_ros library (models, engine, memory store, benchmarks) and its command-line
+tools.
 
 The ROS 2 node, launch files and messages are built by colcon through CMakeLists.txt / package.xml;
 see README.md. This file does not install `oxygen_ros.node` (it needs rclpy and the generated messages).
@@ -19,7 +20,8 @@ setup(
     description="Unified KV-cache inference engine for Mixture-of-Transformers VLAs (pi0.5, pi0)",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["oxygen_ros", "oxygen_ros.models*", "oxygen_ros.engine*", "oxygen_ros.bench*"]),
+    packages=find_packages(include=["oxygen_ros", "oxygen_ros.models*", "oxygen_ros.engine*", "oxygen_ros.memory*",
+                                            "oxygen_ros.bench*"]),
     package_data={"oxygen_ros.models": ["*.yaml", "*.json", "csrc/*.cpp"]},
     # torch without the pin's local label (+cpu): a CUDA build of the same release serves as well.
     install_requires=[r.split("+")[0]

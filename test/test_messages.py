@@ -31,6 +31,12 @@ def _filled(name: str):
     for index, (field, ros_type) in enumerate(cls.get_fields_and_field_types().items(), start=1):
         if ros_type == "std_msgs/Header":
             value = Header(stamp=Time(sec=1_700_000_000 + index, nanosec=123_456_789), frame_id="base_link")
+        elif ros_type == "geometry_msgs/PoseStamped":
+            from geometry_msgs.msg import Point, Pose, PoseStamped, Quaternion
+
+            value = PoseStamped(header=Header(stamp=Time(sec=1_700_000_000 + index, nanosec=5), frame_id="map"),
+                                pose=Pose(position=Point(x=1.0, y=-2.0, z=0.5),
+                                          orientation=Quaternion(x=0.0, y=0.0, z=0.6, w=0.8)))
         elif ros_type == "sequence<string>":
             value = [f"{field}_{i}" for i in range(3)]
         elif ros_type == "sequence<float>":

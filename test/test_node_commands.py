@@ -183,6 +183,8 @@ def test_goals_with_a_malformed_template_are_rejected_and_never_cost_a_cycle(har
     assert handle is not None
     assert asker.result(handle).status == GoalStatus.STATUS_SUCCEEDED
     assert asker.send(task="speech", prompt_template="Describe {instruction} in {language}")[0] is None
+    # {memory} is a field of ~/ask templates, but only with a memory store (this node has none)
+    assert asker.send(task="speech", prompt_template="{memory} {instruction}")[0] is None
     assert harness.chunks_flow(timeout=30.0) and harness.count("chunk") > start
     assert harness.node.failed_cycles() == failed
 

@@ -5,7 +5,9 @@
                         task (``speech`` or ``memory``) and optionally an instruction and a prompt template;
                         it is submitted to the engine (``Engine.submit``) and starts from the next control
                         cycle's observation. Feedback streams the decoded text, the result carries the whole
-                        text and how it ended; cancelling the goal cancels that request only.
+                        text and how it ended; cancelling the goal cancels that request only. A template
+                        with ``{memory}`` gets the captions of ``memory_k`` stored memory entries for the
+                        goal's instruction (docs/memory.md), their ids in the result.
     ~/pause_actions     oxygen_ros/srv/SwitchActions: stop publishing action chunks and trajectories while
     ~/resume_actions    staying active (language keeps running); the pause holds until resumed.
     ~/set_instruction   oxygen_ros/srv/SetInstruction: set the instruction, with an answer saying whether it
@@ -33,6 +35,7 @@ from rclpy.task import Future
 
 from oxygen_ros.engine import RequestStatus, TextEvent
 from oxygen_ros.engine.config import check_template
+from oxygen_ros.memory.prompt import DEFAULT_K, MEMORY_FIELD, fill_memory, has_memory_field
 from oxygen_ros.node.inputs import is_blank
 
 if TYPE_CHECKING:
@@ -100,6 +103,7 @@ class Commands:
         self._goals_lock = threading.Lock()
         self._executing = 0     # goals whose execute callback has not returned its result yet
         self._pending = 0       # goals accepted whose execute callback has not returned (max_pending_goals)
+        self._memory = None     # the memory service filling {memory} (attach_memory), while a store is open
         group = self.callback_group
         node.create_service(SwitchActions, "~/pause_actions",
                             lambda request, response: self._switch(True, response), callback_group=group)
@@ -172,10 +176,16 @@ class Commands:
                     "topic, call ~/set_instruction or set default_instruction)")
         if goal.prompt_template:
             try:
-                check_template(goal.prompt_template, "prompt_template")
+                check_template(goal.prompt_template, "prompt_template", extra_fields=(MEMORY_FIELD,))
             except ValueError as error:
                 return str(error)
+            if self._memory is None and has_memory_field(goal.prompt_template):
+                return "prompt_template has {memory} but the node has no memory store (set memory.store.path)"
         return None
+
+    def attach_memory(self, memory) -> None:
+        """The memory service whose store fills ``{memory}`` (oxygen_ros/node/memory_service.py), or None."""
+        self._memory = memory
 
     def _on_goal(self, goal: Ask.Goal) -> GoalResponse:
         """Admission: every goal request gets an answer; beyond ``max_pending_goals`` accepted goals without a
@@ -231,10 +241,19 @@ class Commands:
             return Ask.Result(status=Ask.Result.STATUS_CANCELLED, message="the node left the active state")
         mailbox = _Goal(goal.instruction or None)
         key = bytes(goal_handle.goal_id.uuid)
+        template, memory_ids = goal.prompt_template or None, []
+        memory = self._memory
+        if template is not None and has_memory_field(template):
+            try:     # a store query on the executor (milliseconds; docs/memory.md, "Cost"), no inference
+                text, memory_ids = memory.recall(goal.instruction or self._node.instruction or "",
+                                                 goal.memory_k or DEFAULT_K)
+            except Exception as error:     # no store any more (cleanup), or the store failed
+                goal_handle.abort()
+                return Ask.Result(status=Ask.Result.STATUS_DROPPED, message=f"memory not read: {error}")
+            template = fill_memory(template, text)
         try:
             with self._goals_lock:    # registered before on_language can see the request's events
-                request_id = engine.submit(goal.task or "speech", goal.instruction or None,
-                                           goal.prompt_template or None)
+                request_id = engine.submit(goal.task or "speech", goal.instruction or None, template)
                 self._goals[request_id] = mailbox
                 self._goal_ids[key] = request_id
         except (KeyError, ValueError, RuntimeError) as error:
@@ -242,7 +261,9 @@ class Commands:
             return Ask.Result(status=Ask.Result.STATUS_DROPPED, message=f"not submitted: {error}")
         utterance_id = self._node.utterance_id(request_id)
         try:
-            return await self._follow(goal_handle, mailbox, utterance_id)
+            result = await self._follow(goal_handle, mailbox, utterance_id)
+            result.memory_entry_ids = memory_ids
+            return result
         finally:
             with self._goals_lock:
                 self._goals.pop(request_id, None)

@@ -1,7 +1,8 @@
 """The language outputs of ``oxygen_node``: the engine's text events on ``~/speech`` (partials and finals),
 the completed utterances a TTS can say on ``~/speech_text``, and memory entries on ``~/memory`` (one with
-a non-finite embedding is withheld and counted). The ``~/ask`` goals get their feedback and results from
-the same events (oxygen_ros/node/commands.py).
+a non-finite embedding is withheld and counted; each carries the robot's pose at its observation when
+known and goes to the memory store when one is set: oxygen_ros/node/memory_service.py). The ``~/ask`` goals
+get their feedback and results from the same events (oxygen_ros/node/commands.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class LanguageOutput:
     Args:
         node: the node whose parameters (``<task>.publish_on_change``) and logger are used.
         publishers: the configured topics (:class:`~oxygen_ros.node.topics.TopicBridge`: ``speech``,
-            ``speech_text``, ``memory``).
+            ``speech_text``, ``memory``, ``memory_service``).
         commands: the ``~/ask`` goals (their instructions, feedback and results).
         tag: an output's observation tag (its ``stamp``, ``instruction`` and ``camera_slots``).
         utterance_id: the id the Speech messages (or MemoryEntry) of an engine request carry.
@@ -75,9 +76,12 @@ class LanguageOutput:
                                 f"{bad} of {entry.embedding.size} embedding values are NaN or infinite")
             return
         info = self._tag(entry)
-        self._publishers.memory.publish(conversions.memory_entry_msg(
-            entry, info.stamp, self._utterance_id(entry.request_id), info.camera_slots,
-            self._commands.instruction_for(entry.request_id, info.instruction)))
+        msg = conversions.memory_entry_msg(entry, info.stamp, self._utterance_id(entry.request_id), info.camera_slots,
+                                           self._commands.instruction_for(entry.request_id, info.instruction))
+        memory = self._publishers.memory_service
+        memory.complete(msg)        # robot and pose
+        self._publishers.memory.publish(msg)
+        memory.record(msg)          # queued for the store's writer thread (never waits)
 
     def publish_speech_text(self, event) -> None:
         """``~/speech_text`` gets a completed utterance's text only when a TTS can say it; with

@@ -7,6 +7,7 @@ KV-cache engine (docs/node.md). One job per class:
     node/control_cycle.py    ControlCycle: the control-cycle thread
     node/action_output.py    ActionOutput: one decision per action chunk (publish, clamp, withhold, why)
     node/language_output.py  LanguageOutput: ~/speech, ~/speech_text, ~/memory
+    node/memory_service.py   MemoryService: the memory entries' pose, their store, ~/query_memory
     this module              OxygenNode: configure (settings, engine, warm-up), activation, time, status
 
 Lifecycle: configure reads the parameters, loads the model, builds the engine (allocates the KV pool) and
@@ -51,6 +52,7 @@ from oxygen_ros.node.diagnostics import StatusTracker, diagnostic_array, engine_
 from oxygen_ros.node.inputs import DropCounter, InputStore, is_blank
 from oxygen_ros.node.language_output import LanguageOutput
 from oxygen_ros.node.lifecycle import ManagedNode
+from oxygen_ros.node.memory_service import check_store
 from oxygen_ros.node.model_loading import build_engine, warm_up
 from oxygen_ros.node.output_checks import all_finite
 from oxygen_ros.node.parameters import (NodeSettings, check_dynamic_change, declare_parameters, parameter_values,
@@ -215,6 +217,7 @@ class OxygenNode(ManagedNode):
         action chunk with a non-finite value (the engine is closed first)."""
         start = time.perf_counter()
         settings = settings_from_values(parameters, self.get_logger().info)
+        check_store(settings.memory)     # before the model: a store that cannot be opened fails configure
         engine = (self._engine_builder or build_engine)(settings)
         try:
             warm_chunks: list[ActionChunk] = []
@@ -433,13 +436,6 @@ class OxygenNode(ManagedNode):
         # observation carries the new instruction.
         return True, "instruction set: the next control cycle uses it"
 
-    # ---- language outputs (language_output.py) -----------------------------------------------
-
-    def _publish_speech_text(self, event) -> None:
-        """A completed utterance's text on ``~/speech_text`` when it has something to say
-        (:meth:`LanguageOutput.publish_speech_text`)."""
-        self._language.publish_speech_text(event)
-
     # ---- status (executor thread) -------------------------------------------------------------
 
     def _publish_status(self) -> None:
@@ -481,6 +477,7 @@ class OxygenNode(ManagedNode):
         self._qos_reported = qos_total
         diagnostics.status[0].values.append(KeyValue(key="speech_text_withheld",
                                                      value=str(self.speech_text_withheld())))
+        diagnostics.status[0].values.extend(self._topics.memory_service.key_values())   # stored, dropped
         self._conflicts.annotate(diagnostics.status[0], self._conflict_policy())
         diagnostics.status.extend(self._topic_statuses(settings))
         self._topics.diagnostics.publish(diagnostics)

@@ -89,6 +89,7 @@ def _node(name: str, default: Any, doc: str, section: str, **meta: Any) -> Decla
 
 
 _MODEL, _ROBOT, _INPUTS, _ACTION, _OUTPUTS = "Model", "Robot", "Inputs", "Action task and node rates", "Outputs"
+_MEMORY = "Memory: place and store"
 # The node-only parameters (the engine's come from its configuration dataclasses: _engine_declarations).
 NODE_PARAMETERS: tuple[Declaration, ...] = (
     _node("autostart", True, "configure and activate on start-up, without a lifecycle manager", _MODEL,
@@ -200,6 +201,35 @@ NODE_PARAMETERS: tuple[Declaration, ...] = (
           "shutdown, SIGINT / SIGTERM, a failed transition while active): hold (one JointTrajectory on "
           "~/joint_trajectory holding the latest JointState positions of trajectory_joint_names; needs "
           "publish_trajectory) or none (nothing)", _OUTPUTS, choices=STOP_COMMANDS, when=NEXT_USE),
+    # ---- memory: where each entry was taken, and the store (docs/memory.md)
+    _node("memory.robot", "", "the robot named in every MemoryEntry (robot) and stored entry; empty = the node's "
+          "namespace without its leading slash (empty in the root namespace)", _MEMORY),
+    _node("memory.pose.topic", "", "geometry_msgs/PoseStamped topic with the robot frame's pose in a fixed frame "
+          "(e.g. a localisation's base_link in map); each MemoryEntry carries the sample nearest its observation's "
+          "stamp; empty = entries carry no pose (has_pose false)", _MEMORY, when=STRUCTURAL),
+    _node("memory.pose.max_age_s", 0.5, "a pose sample whose stamp is further than this from the observation's stamp "
+          "is not used: the entry is then marked without pose (has_pose false), never given a guessed one", _MEMORY,
+          unit="s", low=0.0, high=3600.0),
+    _node("memory.pose.fixed_frame", "", "the frame the poses must be in: a sample with another header.frame_id is "
+          "dropped (counted, warned); empty = any, the entry carries the sample's frame", _MEMORY),
+    _node("memory.store.path", "", "SQLite file every published MemoryEntry is also written to (created when "
+          "missing, reopened with its entries), and ~/query_memory answers from; empty = no store, no service",
+          _MEMORY, when=STRUCTURAL),
+    _node("memory.store.queue_size", 256, "memory entries waiting for the store's writer thread; one beyond is "
+          "dropped (counted, warned)", _MEMORY, low=1, high=1_000_000),
+    _node("memory.store.synchronous", "full", "full: an entry is on disk when its write returns (survives a power "
+          "loss); normal: fewer fsyncs, survives a process crash", _MEMORY, choices=("full", "normal")),
+    _node("memory.store.max_age_s", 0.0, "retention: entries whose observation is older than this are removed "
+          "(node clock); 0 = kept", _MEMORY, unit="s", low=0.0, high=1e12),
+    _node("memory.store.max_count", 0, "retention: beyond this many entries the oldest are removed; 0 = no limit",
+          _MEMORY, low=0, high=2**31 - 1),
+    _node("memory.store.duplicate_radius_m", 0.0, "retention: of two entries of one robot within this distance "
+          "with alike captions (memory.store.duplicate_text_similarity) the older is removed; entries without a "
+          "pose are kept; 0 = off", _MEMORY, unit="m", low=0.0, high=1e6),
+    _node("memory.store.duplicate_text_similarity", 1.0, "word-set Jaccard similarity at which two captions are "
+          "alike (1 = the same words)", _MEMORY, low=0.01, high=1.0),
+    _node("memory.store.prune_every_s", 60.0, "how often the writer thread applies the retention rules (and once "
+          "at configure)", _MEMORY, unit="s", low=1.0, high=1e9),
 )
 
 # The node's language tasks: the engine's TaskConfig fields as ``<task>.<field>`` parameters, with these
@@ -303,6 +333,25 @@ class CameraSettings:
 
 
 @dataclass(frozen=True)
+class MemorySettings:
+    """The memory entries' place and store (parameters ``memory.robot``, ``memory.pose.*``, ``memory.store.*``;
+    docs/memory.md). ``store_path`` empty = no store; ``pose_topic`` empty = no pose."""
+
+    robot: str = ""
+    pose_topic: str = ""
+    pose_max_age_s: float = 0.5
+    fixed_frame: str = ""
+    store_path: str = ""
+    queue_size: int = 256
+    synchronous: str = "full"
+    max_age_s: float = 0.0
+    max_count: int = 0
+    duplicate_radius_m: float = 0.0
+    duplicate_text_similarity: float = 1.0
+    prune_every_s: float = 60.0
+
+
+@dataclass(frozen=True)
 class NodeSettings:
     """Validated values of the configure-time parameters (:data:`CONFIGURE_TIME`), read once per
     ``configure``: the node-only settings and the engine's own configuration (``engine``).
@@ -341,6 +390,7 @@ class NodeSettings:
     joint_limits: JointLimits | None
     joint_limits_from_robot_description: bool
     engine: EngineConfig
+    memory: MemorySettings = MemorySettings()
 
     @property
     def model_camera_slots(self) -> tuple[str, ...]:
@@ -571,7 +621,15 @@ def settings_from_values(values: Mapping[str, Any], log: Callable[[str], None] |
         trajectory_joint_names=trajectory_names, trajectory_stamp_policy=v["trajectory_stamp_policy"],
         joint_limits=joint_limits,
         joint_limits_from_robot_description=bool(v["joint_limits.from_robot_description"]),
-        engine=engine)
+        engine=engine, memory=MemorySettings(
+            robot=v["memory.robot"], pose_topic=v["memory.pose.topic"],
+            pose_max_age_s=float(v["memory.pose.max_age_s"]),
+            fixed_frame=v["memory.pose.fixed_frame"], store_path=v["memory.store.path"],
+            queue_size=int(v["memory.store.queue_size"]), synchronous=v["memory.store.synchronous"],
+            max_age_s=float(v["memory.store.max_age_s"]), max_count=int(v["memory.store.max_count"]),
+            duplicate_radius_m=float(v["memory.store.duplicate_radius_m"]),
+            duplicate_text_similarity=float(v["memory.store.duplicate_text_similarity"]),
+            prune_every_s=float(v["memory.store.prune_every_s"])))
 
 
 def _conventions(v: dict, joint_names: tuple[str, ...], cameras: tuple[CameraSettings, ...]) -> Conventions:

@@ -20,6 +20,8 @@ Topics (relative names resolve in the node's namespace; ``~`` is the node's priv
                                    only a text that differs from the last one sent), reliable + transient
                                    local, depth 10 (a late transient-local subscriber gets the last texts)
     out  ~/memory                  oxygen_ros/MemoryEntry, reliable, depth 10
+    in   memory.pose.topic         geometry_msgs/PoseStamped, best effort, depth 50 (only when set; memory_service.py)
+    srv  ~/query_memory            oxygen_ros/QueryMemory (only with memory.store.path; memory_service.py)
     out  ~/status                  oxygen_ros/EngineStatus, reliable, depth 10, at status_rate_hz
     out  /diagnostics              diagnostic_msgs/DiagnosticArray, reliable, depth 10, at status_rate_hz
 
@@ -49,6 +51,7 @@ from oxygen_ros.node.command_conflicts import GRAPH_POLL_S, CommandConflicts
 from oxygen_ros.node.diagnostics import FrequencyStatus
 from oxygen_ros.node.image_conversion import ImageConversionError, compressed_to_rgb, image_to_rgb
 from oxygen_ros.node.inputs import DropCounter, Frame, InputError, InputStore, is_zero, stamp_seconds
+from oxygen_ros.node.memory_service import MemoryService
 from oxygen_ros.node.output_checks import limits_from_urdf
 from oxygen_ros.node.parameters import CameraSettings, NodeSettings
 from oxygen_ros.node.time_checks import StampWatch, clock_started
@@ -99,6 +102,7 @@ class TopicBridge:
     Attributes:
         action_chunk, trajectory, speech, speech_text, memory, status, diagnostics: the publishers
             (``trajectory`` is None without ``publish_trajectory``).
+        memory_service: the memory entries' pose, store and ``~/query_memory`` (memory_service.py).
         joint_limits: the joint position limits in force (parameters, or the last valid robot_description).
         robot_description_error: why the last robot_description gave no limits, or None.
         joint_positions: the latest JointState positions by joint name while active (for on_stop_command).
@@ -129,6 +133,7 @@ class TopicBridge:
     def _create(self, settings: NodeSettings, on_status, conflicts: CommandConflicts, conflict_policy) -> None:
         node = self._node
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+        self.memory_service = MemoryService(node, settings.memory, lambda: node.get_clock().now().nanoseconds * 1e-9)
 
         def publisher(msg_type, topic: str, qos, lifecycle: bool = True):
             events = PublisherEventCallbacks(
@@ -177,8 +182,9 @@ class TopicBridge:
         self._update_latched_instruction()
 
     def destroy(self) -> None:
-        """Destroy every entity the bridge created. Idempotent."""
+        """Destroy every entity the bridge created (the memory store gets what is queued first). Idempotent."""
         node = self._node
+        self.memory_service.destroy()
         for timer in self._timers:
             node.destroy_timer(timer)
         for subscription in self._subscriptions:

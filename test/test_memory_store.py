@@ -1,0 +1,279 @@
+"""The memory store (oxygen_ros/memory): retrieval by text, time, place and robot on hand-made entries, the
+retention policy, export and import, durability across a reopen and a kill -9 in the middle of writing, the CLI."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from oxygen_ros.memory import MemoryQuery, MemoryRecord, Pose, RetentionPolicy, SqliteMemoryStore
+from oxygen_ros.memory.__main__ import main as cli
+
+
+def _record(entry_id, stamp_s, text, xyz=None, robot="r1", embedding=None, frame="map"):
+    pose = None if xyz is None else Pose(frame, tuple(map(float, xyz)), (0.0, 0.0, 0.0, 1.0), stamp_s)
+    return MemoryRecord(entry_id, stamp_s, text, robot, "hand over the cube", ("cam_high",), pose,
+                        None if embedding is None else np.asarray(embedding, np.float32))
+
+
+# A kitchen at x ~ 0, a shelf at x ~ 5, a table at x ~ 10; robot r2 elsewhere; one entry without a pose.
+ENTRIES = [
+    _record("a", 10.0, "a red cube on the kitchen counter", (0.0, 0.0, 0.0), embedding=[1, 0, 0]),
+    _record("b", 20.0, "an empty kitchen counter", (0.3, 0.1, 0.0), embedding=[0.9, 0.1, 0]),
+    _record("c", 30.0, "a blue mug on the shelf", (5.0, 0.0, 0.0), embedding=[0, 1, 0]),
+    _record("d", 40.0, "the red cube in the left gripper", (10.0, 0.0, 0.0), embedding=[0, 0, 1]),
+    _record("e", 50.0, "a green ball on the table", (10.2, 0.0, 0.0), robot="r2", embedding=[0, 0.7, 0.7]),
+    _record("f", 60.0, "a red cube seen by a robot that did not know where it was"),
+]
+
+
+@pytest.fixture
+def store(tmp_path):
+    with SqliteMemoryStore(tmp_path / "memory.db") as s:
+        s.insert(ENTRIES)
+        yield s
+
+
+def _ids(hits):
+    return [h.record.entry_id for h in hits]
+
+
+def test_text_query_ranks_by_bm25_and_finds_every_matching_caption(store):
+    hits = store.query(MemoryQuery(text="red cube", k=10))
+    assert set(_ids(hits)) == {"a", "d", "f"}
+    assert all(h.score > 0 for h in hits)
+    assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+    # words in half or more of the entries weigh nothing in BM25 (its IDF) and are not matched: "red", "cube",
+    # "on", "the" here; "kitchen counter" ranks the shorter caption first (BM25's length normalisation)
+    assert _ids(store.query(MemoryQuery(text="red cube on the kitchen counter"))) == ["b", "a"]
+    assert _ids(store.query(MemoryQuery(text="Gripper holding the red cube")))[0] == "d"
+    assert _ids(store.query(MemoryQuery(text="mug?", k=10))) == ["c"]
+    assert store.query(MemoryQuery(text="giraffe", k=10)) == []
+    assert store.query(MemoryQuery(text="?!", k=10)) == []
+
+
+def test_time_window_without_text_is_newest_first(store):
+    hits = store.query(MemoryQuery(since_s=20.0, until_s=40.0))
+    assert _ids(hits) == ["d", "c", "b"]
+    assert all(h.score == 0.0 for h in hits)
+    assert _ids(store.query(MemoryQuery(k=2))) == ["f", "e"]
+
+
+def test_place_query_keeps_entries_within_the_radius_only(store):
+    assert sorted(_ids(store.query(MemoryQuery(near=(0.0, 0.0, 0.0), radius_m=0.5)))) == ["a", "b"]
+    # b is 0.316 m from the origin: just outside a 0.3 m radius, inside 0.32 m
+    assert _ids(store.query(MemoryQuery(near=(0.0, 0.0, 0.0), radius_m=0.3))) == ["a"]
+    assert sorted(_ids(store.query(MemoryQuery(near=(0.0, 0.0, 0.0), radius_m=0.32)))) == ["a", "b"]
+    # the entry without a pose never matches a place
+    assert "f" not in _ids(store.query(MemoryQuery(near=(0.0, 0.0, 0.0), radius_m=1e6)))
+
+
+def test_combined_text_time_place_robot(store):
+    hits = store.query(MemoryQuery(text="red cube", near=(10.0, 0.0, 0.0), radius_m=1.0))
+    assert _ids(hits) == ["d"]
+    assert sorted(_ids(store.query(MemoryQuery(text="red cube", since_s=35.0)))) == ["d", "f"]
+    assert _ids(store.query(MemoryQuery(near=(10.0, 0.0, 0.0), radius_m=1.0, robot="r2"))) == ["e"]
+    assert _ids(store.query(MemoryQuery(text="table", robot="r1"))) == []
+
+
+def test_embedding_query_ranks_by_cosine(store):
+    hits = store.query(MemoryQuery(embedding=np.array([1.0, 0.05, 0.0], np.float32), k=2))
+    assert _ids(hits) == ["a", "b"]
+    assert hits[0].score == pytest.approx(1.0 / np.linalg.norm([1.0, 0.05, 0.0]), rel=1e-5)
+    # a query of another width matches nothing; the filters still apply
+    assert store.query(MemoryQuery(embedding=np.ones(4, np.float32))) == []
+    assert _ids(store.query(MemoryQuery(embedding=np.array([0, 0, 1], np.float32), robot="r2"))) == ["e"]
+
+
+def test_bad_queries_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="radius"):
+        MemoryQuery(near=(0.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="k must"):
+        MemoryQuery(k=0)
+    with pytest.raises(ValueError, match="after"):
+        MemoryQuery(since_s=2.0, until_s=1.0)
+    with pytest.raises(ValueError, match="not both"):
+        MemoryQuery(text="cube", embedding=np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="duplicate_text_similarity"):
+        RetentionPolicy(duplicate_text_similarity=0.0)
+
+
+def test_records_round_trip_with_pose_embedding_and_replacement(store):
+    [a] = store.get(["a"])
+    assert a == ENTRIES[0]
+    np.testing.assert_array_equal(a.embedding, ENTRIES[0].embedding)
+    assert store.get(["f"])[0].pose is None
+    store.insert([_record("a", 11.0, "a yellow cube", (0.0, 0.0, 0.0))])
+    assert store.count() == len(ENTRIES)
+    assert _ids(store.query(MemoryQuery(text="yellow"))) == ["a"]
+    assert store.query(MemoryQuery(text="counter")) and "a" not in _ids(store.query(MemoryQuery(text="counter")))
+
+
+def test_prune_by_age_count_and_near_duplicates(tmp_path):
+    with SqliteMemoryStore(tmp_path / "prune.db") as store:
+        store.insert(ENTRIES)
+        assert store.prune(RetentionPolicy(max_age_s=35.0), now_s=60.0) == {"age": 2, "count": 0, "duplicate": 0}
+        assert sorted(r.entry_id for r in store.records()) == ["c", "d", "e", "f"]
+        assert store.prune(RetentionPolicy(max_count=3))["count"] == 1
+        assert sorted(r.entry_id for r in store.records()) == ["d", "e", "f"]
+        # the FTS and place indexes follow the deletions
+        assert store.query(MemoryQuery(text="mug")) == []
+        assert store.query(MemoryQuery(near=(5.0, 0.0, 0.0), radius_m=0.5)) == []
+
+    with SqliteMemoryStore(tmp_path / "duplicates.db") as store:
+        store.insert([
+            _record("old", 1.0, "A red cube on the table.", (1.0, 1.0, 0.0)),
+            _record("new", 2.0, "a red cube on the table", (1.1, 1.0, 0.0)),
+            _record("far", 0.5, "a red cube on the table", (3.0, 1.0, 0.0)),         # another place
+            _record("other", 0.7, "a blue cube on the table", (1.0, 1.0, 0.0)),      # another caption
+            _record("r2", 0.8, "a red cube on the table", (1.0, 1.0, 0.0), robot="r2"),   # another robot
+            _record("odom", 0.9, "a red cube on the table", (1.0, 1.0, 0.0), frame="odom"),   # another frame
+            _record("nopose", 0.6, "a red cube on the table"),                       # place unknown
+        ])
+        removed = store.prune(RetentionPolicy(duplicate_radius_m=0.2))
+        assert removed == {"age": 0, "count": 0, "duplicate": 1}
+        assert "old" not in {r.entry_id for r in store.records()} and store.count() == 6
+        # "a blue cube on the table" shares 5 of 7 words with the kept red one: alike at 0.7
+        assert store.prune(RetentionPolicy(duplicate_radius_m=0.2, duplicate_text_similarity=0.7))["duplicate"] == 1
+        assert "other" not in {r.entry_id for r in store.records()}
+
+
+def test_export_import_and_reopen(tmp_path):
+    path = tmp_path / "memory.db"
+    with SqliteMemoryStore(path) as store:
+        store.insert(ENTRIES)
+        stream = io.StringIO()
+        assert store.export_jsonl(stream) == len(ENTRIES)
+    lines = stream.getvalue().splitlines()
+    assert json.loads(lines[0])["entry_id"] == "a" and json.loads(lines[0])["pose"]["position"] == [0.0, 0.0, 0.0]
+    # reopened: everything is there, and its indexes answer
+    with SqliteMemoryStore(path) as store:
+        assert store.count() == len(ENTRIES)
+        assert _ids(store.query(MemoryQuery(text="mug"))) == ["c"]
+    with SqliteMemoryStore(tmp_path / "copy.db") as copy:
+        assert copy.import_jsonl(io.StringIO(stream.getvalue())) == len(ENTRIES)
+        assert list(copy.records()) == list(SqliteMemoryStore(path).records())
+        with pytest.raises(ValueError, match="line 2"):
+            copy.import_jsonl(io.StringIO(lines[0] + "\n{\"text\": 1}\n"))
+
+
+_WRITER = textwrap.dedent("""
+    import sys
+    from oxygen_ros.memory import MemoryRecord, Pose, SqliteMemoryStore
+    import numpy as np
+    store = SqliteMemoryStore(sys.argv[1])
+    i = 0
+    while True:
+        store.insert([MemoryRecord(f"e{i}", float(i), f"caption number {i}", "r1", "", ("cam",),
+                                   Pose("map", (float(i), 0.0, 0.0)), np.full(512, i, np.float32))])
+        print(i, flush=True)     # committed
+        i += 1
+""")
+
+
+def test_kill_9_mid_write_loses_at_most_the_entry_being_written(tmp_path):
+    path = tmp_path / "killed.db"
+    process = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        committed = -1
+        for line in process.stdout:
+            committed = int(line)
+            if committed >= 40:
+                break
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        process.stdout.close()
+    assert committed >= 40
+    with SqliteMemoryStore(path) as store:
+        ids = {r.entry_id for r in store.records(embeddings=False)}
+        # every insert reported committed is there; at most the ones after it (in flight or committed
+        # but not yet reported) besides
+        assert {f"e{i}" for i in range(committed + 1)} <= ids
+        assert store._read.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert "e7" in _ids(store.query(MemoryQuery(text="7", k=100)))
+        store.insert([_record("after", 1e6, "written after the crash")])
+        assert store.count() == len(ids) + 1
+
+
+def test_cli_query_prune_export_stats(tmp_path, capsys):
+    path = tmp_path / "cli.db"
+    with SqliteMemoryStore(path) as store:
+        store.insert(ENTRIES)
+    assert cli(["query", str(path), "--text", "red cube", "--near", "10", "0", "0", "--radius", "1", "--json"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(line)["entry_id"] for line in lines] == ["d"]
+    assert cli(["stats", str(path)]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["entries"] == 6 and stats["with_pose"] == 5 and stats["robots"] == 2
+    out = tmp_path / "out.jsonl"
+    assert cli(["export", str(path), "-o", str(out), "--no-embeddings"]) == 0
+    assert len(out.read_text().splitlines()) == 6 and "embedding" not in out.read_text()
+    assert cli(["prune", str(path), "--max-count", "4"]) == 0
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert cli(["query", str(tmp_path / "missing.db")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert cli(["query", str(path), "--near", "0", "0", "0"]) == 1
+    assert "radius" in capsys.readouterr().err
+
+
+def test_memory_prompt_recall_text_and_template(store):
+    from oxygen_ros.memory.prompt import fill_memory, has_memory_field, memory_text, recall
+
+    # the question's weighted words find the kitchen captions (best BM25 first), else the newest entries
+    assert {r.entry_id for r in recall(store, "the red cube at the kitchen?", k=2)} == {"a", "b"}
+    assert [r.entry_id for r in recall(store, "giraffe", k=2)] == ["f", "e"]
+    assert [r.entry_id for r in recall(store, "", k=1, robot="r2")] == ["e"]
+    text, ids = memory_text(recall(store, "mug gripper", k=2))
+    # oldest first, with time and place; one line
+    assert ids == ["c", "d"]
+    assert text == "t=30.0s at (5.0, 0.0): a blue mug on the shelf; t=40.0s at (10.0, 0.0): the red cube in the " \
+                   "left gripper"
+    assert memory_text([ENTRIES[5]])[0] == "t=60.0s: a red cube seen by a robot that did not know where it was"
+    assert memory_text([]) == ("", [])
+    template = "Memory: {memory}\nQ: {instruction} {{memory}} {state}"
+    assert has_memory_field(template) and not has_memory_field("Q: {instruction} {{memory}}")
+    filled = fill_memory(template, "t=1.0s: a {weird} caption")
+    assert filled == "Memory: t=1.0s: a {{weird}} caption\nQ: {instruction} {{memory}} {state}"
+    assert filled.format(instruction="where?", state="s") == "Memory: t=1.0s: a {weird} caption\nQ: where? {memory} s"
+
+
+@pytest.mark.ros
+def test_writer_drops_and_counts_beyond_its_queue_then_stores_what_is_queued(tmp_path):
+    import threading
+
+    from oxygen_ros.node.inputs import DropCounter
+    from oxygen_ros.node.memory_service import MemoryWriter
+
+    class SlowStore(SqliteMemoryStore):
+        release = threading.Event()
+
+        def insert(self, records):
+            self.release.wait(10.0)
+            return super().insert(records)
+
+    warnings = []
+    drops = DropCounter(warnings.append, what="memory")
+    writer = MemoryWriter(SlowStore(tmp_path / "slow.db"), 2, RetentionPolicy(), 60.0, lambda: 0.0, drops,
+                          lambda message: None)
+    assert writer.put(ENTRIES[0])
+    # the writer holds ENTRIES[0] inside the blocked insert once the queue is empty again
+    deadline = time.monotonic() + 10.0
+    while not writer._queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer.put(ENTRIES[1]) and writer.put(ENTRIES[2])
+    assert not writer.put(ENTRIES[3])      # the queue holds 2: dropped, counted, warned
+    assert drops.counts() == {"memory_queue_full": 1} and "memory_queue_full" in warnings[0]
+    SlowStore.release.set()
+    writer.close()
+    assert writer.written == 3
+    with SqliteMemoryStore(tmp_path / "slow.db") as store:
+        assert sorted(r.entry_id for r in store.records()) == ["a", "b", "c"]
