@@ -30,7 +30,7 @@ from torch import nn
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from .config import VLAConfig
-from .cuda_graphs import GraphCache, round_up
+from .cuda_graphs import BACKENDS, GraphCache, batch_bucket, round_up
 from .gemma import (AdaRMSNorm, AttentionMask, GemmaStack, RMSNorm, apply_rope, attention, rope_cos_sin,
                     rope_inverse_frequencies)
 from . import cpu_fast_paths, native
@@ -141,36 +141,50 @@ class VLAModel(nn.Module):
             native.load()
         return native.status()
 
-    def enable_cuda_graphs(self, enabled: bool = True, prefix_bucket: int = 64, max_graphs: int = 16) -> None:
+    def enable_cuda_graphs(self, enabled: bool = True, prefix_bucket: int = 64, max_graphs: int = 16,
+                           backend: str = "cuda") -> None:
         """Replay :meth:`denoise` and :meth:`encode_images` from CUDA graphs on a CUDA device.
 
-        Each distinct shape (images per vision call; batch, prefix-length bucket, horizon, steps per
-        denoise) is captured on its first call (one eager run plus the capture, ~2x one call) and
-        replayed afterwards with one launch (:mod:`oxygen_ros.models.cuda_graphs`). Results equal the
-        eager path's up to kernel summation order. No effect on the CPU. Capturing allocates the
-        graphs' static buffers and working memory in one private pool; weights must not be replaced
-        afterwards (call again to drop the graphs after loading new weights).
+        Each distinct shape (images per vision call; batch bucket, prefix-length bucket, horizon,
+        steps per denoise) is captured on its first call (one eager run plus the capture, ~2x one
+        call) and replayed afterwards with one launch (:mod:`oxygen_ros.models.cuda_graphs`). A
+        denoise is padded (masked) up to its buckets: the prefix to a multiple of ``prefix_bucket``
+        tokens, the batch to :func:`~oxygen_ros.models.cuda_graphs.batch_bucket` rows. Results equal
+        the eager path's up to kernel summation order. Capturing allocates the graphs' static buffers
+        and working memory in one private pool; weights must not be replaced afterwards (call again
+        to drop the graphs after loading new weights).
 
         Args:
             enabled: False drops every graph and runs eagerly.
             prefix_bucket: denoise prefixes are padded (masked) up to a multiple of this many tokens.
             max_graphs: most graphs kept, least recently used dropped first.
+            backend: ``"cuda"``: CUDA graphs, on a CUDA device only (no effect on the CPU);
+                ``"direct"``: the same path (buckets, padding, static buffers, cache, replay
+                selection) with each replay a direct call, on any device (tests and benches of the
+                graph path without a GPU).
 
         Raises:
-            ValueError: ``enabled`` not a bool, ``prefix_bucket`` or ``max_graphs`` not an int >= 1.
+            ValueError: ``enabled`` not a bool, ``prefix_bucket`` or ``max_graphs`` not an int >= 1,
+                unknown ``backend``.
         """
         if not isinstance(enabled, bool):
             raise ValueError(f"enabled must be True or False, got {enabled!r}")
         for name, value in (("prefix_bucket", prefix_bucket), ("max_graphs", max_graphs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        self._graphs = GraphCache(max_graphs) if enabled else None
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+        self._graphs = GraphCache(max_graphs, backend) if enabled else None
         self._prefix_bucket = prefix_bucket
 
     @property
     def cuda_graphs(self) -> GraphCache | None:
         """The graph cache (capture and replay counters) when enabled, else None."""
         return self._graphs
+
+    def _graphed(self) -> bool:
+        """True when calls go through the graph cache (enabled, and its backend serves the device)."""
+        return self._graphs is not None and self._graphs.serves(self.device)
 
     def reset_buffers(self) -> None:
         """Recompute the non-persistent buffers (RoPE frequencies, SigLIP position ids), e.g. after
@@ -220,7 +234,7 @@ class VLAModel(nn.Module):
         if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (3, c.image_size, c.image_size):
             raise ValueError(f"pixels must be [N, 3, {c.image_size}, {c.image_size}], got {tuple(pixels.shape)}")
         pixels = pixels.to(self.device, self.dtype)
-        if self._graphs is not None and self.device.type == "cuda":
+        if self._graphed():
             call = self._graphs.get(("vision", pixels.shape[0]), self._encode, [pixels])
             if call is not None:
                 call.inputs[0].copy_(pixels)
@@ -478,9 +492,9 @@ class VLAModel(nn.Module):
             if guidance.active:
                 return self._denoise_guided(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state,
                                             guidance)
-        if self._graphs is not None and self.device.type == "cuda":
-            return self._denoise_graphed(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
         with cpu_fast_paths.threads_for(b * horizon, self.device):
+            if self._graphed():
+                return self._denoise_graphed(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
             return self._denoise_loop(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
 
     def _denoise_guided(self, prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state,
@@ -496,34 +510,44 @@ class VLAModel(nn.Module):
                                       None if state is None else state.clone(), guidance)
 
     def _denoise_graphed(self, prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state):
-        """:meth:`_denoise_loop` replayed from a CUDA graph of the prefix length's bucket.
+        """:meth:`_denoise_loop` replayed from the graph of the call's buckets.
 
-        The prefix is padded with invalid (masked) tokens up to a multiple of ``prefix_bucket``;
-        masked keys get zero weight, so the result is the unpadded loop's up to summation order.
+        The prefix is padded with invalid (masked) tokens up to a multiple of ``prefix_bucket`` and
+        the batch with rows of no valid prefix token up to :func:`batch_bucket` rows; masked keys get
+        zero weight and rows are independent, so the first B rows of the result are the unpadded
+        loop's up to summation order. A replay writes the call's values into the graph's static
+        buffers and marks the rest invalid (the padded K/V keep finite values of earlier calls).
         """
         layers = len(prefix_k)
-        length = prefix_valid.shape[1]
+        batch, length = prefix_valid.shape
+        rows = batch_bucket(batch)
         bucket = round_up(max(length, 1), self._prefix_bucket)
-        pad = bucket - length
+        values = prefix_k + prefix_v + [prefix_valid, cached_lens, noise] + ([] if state is None else [state])
 
-        def padded(x: torch.Tensor) -> torch.Tensor:
-            return torch.cat((x, x.new_zeros((x.shape[0], pad, *x.shape[2:]))), dim=1) if pad else x
+        prefix_inputs = 2 * layers + 1       # K, V of every layer and the validity: [B, L, ...]
 
-        inputs = [padded(k) for k in prefix_k] + [padded(v) for v in prefix_v]
-        inputs += [padded(prefix_valid), cached_lens, noise] + ([] if state is None else [state])
+        def example() -> list[torch.Tensor]:
+            """The call's values padded to the buckets (capture, or an eager call after a failed one)."""
+            out = []
+            for i, x in enumerate(values):
+                padded = x.new_zeros((rows, bucket, *x.shape[2:]) if i < prefix_inputs else (rows, *x.shape[1:]))
+                padded[tuple(slice(0, n) for n in x.shape)] = x
+                out.append(padded)
+            return out
 
         def loop(*flat: torch.Tensor) -> torch.Tensor:
             return self._denoise_loop(list(flat[:layers]), list(flat[layers:2 * layers]), flat[2 * layers],
                                       flat[2 * layers + 1], flat[2 * layers + 2], steps,
                                       flat[2 * layers + 3] if state is not None else None)
 
-        key = ("denoise", noise.shape[0], bucket, noise.shape[1], steps, state is not None)
-        call = self._graphs.get(key, loop, inputs)
+        key = ("denoise", rows, bucket, noise.shape[1], steps, state is not None)
+        call = self._graphs.get(key, loop, example)
         if call is None:
-            return loop(*inputs)
-        for buffer, value in zip(call.inputs, inputs):
-            buffer.copy_(value)
-        return call.replay().clone()
+            return loop(*example())[:batch]
+        call.inputs[2 * layers].zero_()
+        for buffer, value in zip(call.inputs, values):
+            buffer[tuple(slice(0, n) for n in value.shape)].copy_(value)
+        return call.replay()[:batch].clone()
 
     def _denoise_loop(self, prefix_k: list[torch.Tensor], prefix_v: list[torch.Tensor],
                       prefix_valid: torch.Tensor, cached_lens: torch.Tensor, noise: torch.Tensor,
