@@ -74,17 +74,3 @@ def test_engine_bench_rejects_bad_arguments_before_building_the_model(tmp_path, 
         assert "error:" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
-
-def test_engine_bench_runs_the_graph_path_with_direct_calls(tmp_path, capsys):
-    """--graph-backend direct: the engine's denoise and vision calls go through the CUDA-graph path
-    (buckets, static buffers, replay selection) on the CPU, each replay a direct call."""
-    out = tmp_path / "bench.json"
-    assert engine_bench.main(["--frames", "1", "--warmup", "0", "--n", "2", "--k", "1", "--rounds", "1",
-                              "--deadline-frames", "1", "--graph-backend", "direct", "--out", str(out)]) == 0
-    results = json.loads(out.read_text())
-    graphs = results["graphs"]
-    assert results["cuda_graphs"] == "direct"
-    assert graphs["captures"] >= 2 and graphs["replays"] > graphs["captures"] and graphs["failures"] == 0
-    kinds = {key[0] for key in graphs["keys"]}
-    assert kinds == {"denoise", "vision"}
-    assert "graph path with direct calls" in capsys.readouterr().out
