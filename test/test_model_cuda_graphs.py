@@ -200,3 +200,21 @@ def test_direct_calls_keep_the_graph_contract():
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9, 17, 30)] == [1, 2, 4, 8, 8, 16, 24, 32]
     with pytest.raises(ValueError):
         batch_bucket(0)
+
+
+def test_the_fp32_lm_head_copy_kept_on_cuda_is_refreshed_when_the_weight_changes():
+    """The decode step's CUDA-only branch (a bf16 LM head kept as fp32 between steps), run on the CPU."""
+    model = load_model("pi05_tiny", dtype=torch.bfloat16, seed=4)
+    h = torch.randn(3, model.config.vlm_width, dtype=torch.bfloat16)
+    per_call = model._lm_logits(h)
+    assert getattr(model, "_lm_head_fp32", None) is None          # the CPU default converts per call
+    model.keep_lm_head_fp32 = True
+    kept = model._lm_logits(h)
+    copy = model._lm_head_fp32[1]
+    assert torch.equal(kept, per_call) and kept.dtype == torch.float32
+    assert model._lm_logits(h) is not None and model._lm_head_fp32[1] is copy      # reused
+    with torch.no_grad():
+        model.token_embedding.weight.mul_(2)
+    refreshed = model._lm_logits(h)
+    assert model._lm_head_fp32[1] is not copy
+    assert torch.equal(refreshed, torch.nn.functional.linear(h.float(), model.token_embedding.weight.float()))

@@ -106,6 +106,8 @@ class VLAModel(nn.Module):
         self._embed_scale = math.sqrt(c.vlm_width)
         self._graphs: GraphCache | None = None
         self._prefix_bucket = 64
+        # Keep the fp32 copy of a bf16 LM head between decode steps (_lm_logits): None = on CUDA only.
+        self.keep_lm_head_fp32: bool | None = None
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -423,12 +425,14 @@ class VLAModel(nn.Module):
 
         On CUDA the fp32 copy of a bf16 embedding is kept between calls (2.1 GB for π0.5's
         257152 x 2048 vocabulary), instead of converting it at every decode step; on CPU it is
-        converted per call, trading time for memory. The copy is refreshed if the weight changes.
+        converted per call, trading time for memory (``keep_lm_head_fp32`` True / False overrides
+        the choice on any device). The copy is refreshed if the weight changes.
         """
         weight = self.token_embedding.weight
         if weight.dtype == torch.float32:
             return F.linear(h.float(), weight)
-        if weight.device.type != "cuda":
+        keep = weight.device.type == "cuda" if self.keep_lm_head_fp32 is None else self.keep_lm_head_fp32
+        if not keep:
             return F.linear(h.float(), weight.float())
         key = (weight.data_ptr(), weight._version)
         cached = getattr(self, "_lm_head_fp32", None)
