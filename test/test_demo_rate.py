@@ -33,13 +33,14 @@ def test_the_cost_leaves_out_the_decode_steps_taken_in_the_slack():
 
 def test_the_rate_is_the_highest_step_whose_period_covers_the_cost_with_headroom():
     # 200 ms x 1.25 = 250 ms: exactly 4 Hz, kept despite floating point.
-    assert choose_rate([0.2] * 8, 4.0).chosen_hz == 4.0
+    assert choose_rate([0.2] * 8, 4.0, headroom=1.25).chosen_hz == 4.0
     # 300 ms x 1.25 = 375 ms: 2.67 Hz fits, rounded down to 2.5.
-    choice = choose_rate([0.3] * 8, 4.0)
+    choice = choose_rate([0.3] * 8, 4.0, headroom=1.25)
     assert (choice.chosen_hz, choice.calibrated, choice.cycles) == (2.5, True, 8)
     assert choice.cost_s == pytest.approx(0.3)
-    assert choose_rate([0.3] * 8, 4.0, step_hz=0.25).chosen_hz == 2.5
+    assert choose_rate([0.3] * 8, 4.0, headroom=1.25, step_hz=0.25).chosen_hz == 2.5
     assert choose_rate([0.3] * 8, 4.0, headroom=1.0).chosen_hz == 3.0
+    assert choose_rate([0.3] * 8, 4.0).chosen_hz == 2.0            # the default headroom, 1.5: 450 ms
     # Never above the configured rate, however cheap the cycle.
     assert choose_rate([0.01] * 8, 4.0).chosen_hz == 4.0
     assert choose_rate([0.0] * 3, 2.0).chosen_hz == 2.0
@@ -50,9 +51,9 @@ def test_the_rate_is_the_highest_step_whose_period_covers_the_cost_with_headroom
 
 def test_a_high_quantile_sets_the_rate_not_the_mean_nor_one_outlier():
     costs = [0.1] * 16 + [0.5] * 4                  # a fifth of the cycles prefill a language prompt too
-    assert choose_rate(costs, 10.0).chosen_hz == 1.5        # p90 = 0.5 s -> 1.6 Hz -> 1.5
-    assert choose_rate(costs, 10.0, quantile=0.5).chosen_hz == 8.0
-    assert choose_rate([0.1] * 19 + [2.0], 4.0).chosen_hz == 4.0     # p90 ignores a single stall
+    assert choose_rate(costs, 10.0, headroom=1.25).chosen_hz == 1.5        # p90 = 0.5 s -> 1.6 Hz -> 1.5
+    assert choose_rate(costs, 10.0, quantile=0.5, headroom=1.25).chosen_hz == 8.0
+    assert choose_rate([0.1] * 19 + [2.0], 4.0, headroom=1.25).chosen_hz == 4.0     # p90 ignores a single stall
 
 
 @pytest.mark.parametrize("kwargs", [dict(costs_s=[]), dict(costs_s=[-0.1]), dict(costs_s=[float("inf")]),
@@ -75,7 +76,7 @@ def test_measured_costs_skip_the_first_cycles_in_seq_order_and_misses_count():
 def test_the_summary_shows_the_rate_chosen_and_the_misses_with_their_share():
     from oxygen_ros.tools.report import RunData, format_summary, summarize
 
-    choice = choose_rate([0.3] * 8, 4.0)
+    choice = choose_rate([0.3] * 8, 4.0, headroom=1.25)
     cycles = [_record(seq, 0.3, missed=seq in (3, 7)) for seq in range(40)]
     text = format_summary(summarize(RunData(cycles=cycles, control_rate=choice.as_dict())))
     assert "control rate       2.5 Hz (chosen from 8 calibration cycles: p90 cost 300 ms x 1.25 headroom; " \

@@ -18,9 +18,9 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-CALIBRATION_CYCLES = 8     # measured cycles (at 4 Hz about 2-3 s)
+CALIBRATION_CYCLES = 16    # measured cycles (at 4 Hz about 4-6 s: several speech and memory requests among them)
 SKIPPED_CYCLES = 2         # the first cycles after activation (first prefills, page faults) are not measured
-HEADROOM = 1.25            # period >= cost x headroom: the scheduler's jitter, renders landing on a cycle
+HEADROOM = 1.5             # period >= cost x headroom: renders landing on a cycle, the machine's other load
 QUANTILE = 0.9             # of the measured cycle costs
 STEP_HZ = 0.5              # rates are multiples of this (0.5, 1, 1.5, ... Hz)
 
@@ -75,8 +75,8 @@ class RateChoice:
         return asdict(self)
 
     def describe(self) -> str:
-        """One line for the summary, e.g. ``2.5 Hz (chosen from 8 cycles: p90 cost 301 ms x 1.25 headroom;
-        asked 4 Hz)``."""
+        """One line for the summary, e.g. ``2.5 Hz (chosen from 16 calibration cycles: p90 cost 250 ms x 1.5
+        headroom; asked 4 Hz)``."""
         if not self.calibrated:
             return f"{self.chosen_hz:g} Hz (as configured; no calibration)"
         return (f"{self.chosen_hz:g} Hz (chosen from {self.cycles} calibration cycles: p{100 * self.quantile:g} "
