@@ -32,7 +32,7 @@ def test_device_bench_dry_mode_runs_every_step_on_the_cpu(tmp_path):
     assert results["preset"] == "pi05_tiny" and results["machine"]["device"] == "cpu"
     assert results["cuda_graphs"] == "direct"
     graphs = results["graphs"]
-    assert {key[0] for key in graphs["keys"]} == {"denoise", "vision"} and graphs["failures"] == 0
+    assert {key[0] for key in graphs["keys"]} == {"decode", "denoise", "vision"} and graphs["failures"] == 0
     assert graphs["replays"] > graphs["captures"] >= 2
     assert {row["setting"] for row in results["rows"]} >= {"isolated", "shared_prefix", "unified"}
     assert "graph path with direct calls" in (out / "engine_bench_pi05_tiny_cpu.txt").read_text()

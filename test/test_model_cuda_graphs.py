@@ -218,3 +218,58 @@ def test_the_fp32_lm_head_copy_kept_on_cuda_is_refreshed_when_the_weight_changes
     refreshed = model._lm_logits(h)
     assert model._lm_head_fp32[1] is not copy
     assert torch.equal(refreshed, torch.nn.functional.linear(h.float(), model.token_embedding.weight.float()))
+
+
+def _decode_run(model, device, graphs: bool, backend: str = "direct"):
+    """Ragged prompts prefilled into the engine's paged KV, then decode steps of changing batches:
+    logits per step and every sequence's K/V (layer 0 and the last) at the end."""
+    from oxygen_ros.engine import BlockPool, KVCacheManager
+
+    c = model.config
+    pool = BlockPool(c.vlm_num_layers, c.num_kv_heads, c.head_dim, 16, budget_bytes=4 * 2**20, device=device)
+    manager = KVCacheManager(pool)
+    gen = torch.Generator().manual_seed(21)
+    seqs = []
+    for n in (5, 60, 9):
+        seq = manager.new_sequence()
+        manager.prepare_append(seq, n)
+        ids = torch.randint(3, c.vocab_size, (1, n), generator=gen).to(device)
+        view = manager.view([seq], [n])
+        model.prefill(model.embed_tokens(ids), view, torch.tensor([n]), need_logits=False)
+        view.commit()
+        seqs.append(seq)
+    model.enable_cuda_graphs(graphs, backend=backend)
+    logits = []
+    # batch 3 (x3), batch 1, batch 3 (x2): the last step outgrows the decode rows' 64-token width.
+    for members in ([0, 1, 2],) * 3 + ([0],) + ([2, 0, 1],) * 2:
+        batch = [seqs[i] for i in members]
+        for seq in batch:
+            manager.prepare_append(seq, 1)
+        view, order = manager.decode_view(batch)
+        ids = torch.tensor([(7 * members[i] + len(logits)) % c.vocab_size + 3 for i in order], device=device)
+        out = model.decode_step(ids, view)
+        view.commit()
+        inverse = torch.tensor(order).argsort()
+        logits.append(out[inverse.to(out.device)].cpu())
+    with torch.inference_mode():
+        kv = [manager.view([seq]).read(layer)[:2] for seq in seqs for layer in (0, c.vlm_num_layers - 1)]
+    return logits, [(k.cpu().clone(), v.cpu().clone()) for k, v in kv], [seq.num_tokens for seq in seqs]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_steps_replay_from_batch_and_length_buckets(backend):
+    device = "cuda" if backend == "cuda" else "cpu"
+    model = load_model("pi05_tiny", dtype=torch.float32, seed=9, device=device)
+    eager_logits, eager_kv, eager_lens = _decode_run(model, device, graphs=False)
+    logits, kv, lens = _decode_run(model, device, graphs=True, backend=backend)
+    assert lens == eager_lens == [5 + 6, 60 + 5, 9 + 5]
+    for expected, got in zip(eager_logits, logits):
+        assert torch.allclose(expected, got, atol=ATOL, rtol=1e-4)
+    # The padded rows wrote nothing but row 0's own token: every sequence's K/V is the eager one.
+    for (k0, v0), (k1, v1) in zip(eager_kv, kv):
+        assert k0.shape == k1.shape and torch.allclose(k0, k1, atol=1e-5) and torch.allclose(v0, v1, atol=1e-5)
+    cache = model.cuda_graphs
+    # (4 rows, 64 keys) and (1 row, 64 keys) on the first rows; the last step's wider rows replaced the
+    # storage, so both were dropped and (4 rows, 128 keys) captured on the new one.
+    assert [key[:3] for key in cache.keys()] == [("decode", 4, 128)]
+    assert (cache.captures, cache.replays, cache.evictions, cache.failures) == (3, 6, 2, 0)

@@ -191,6 +191,15 @@ class GraphCache:
         """True when the backend replays calls on ``device`` (CUDA graphs: a CUDA device only)."""
         return self.backend.serves(device)
 
+    def discard(self, predicate: Callable[[Hashable], bool]) -> int:
+        """Drop the graphs whose key satisfies ``predicate`` (e.g. captured on storage since replaced);
+        returns how many (counted in ``evictions``)."""
+        stale = [key for key in self._graphs if predicate(key)]
+        for key in stale:
+            del self._graphs[key]
+        self.evictions += len(stale)
+        return len(stale)
+
     def get(self, key: Hashable, fn: Callable[..., torch.Tensor],
             inputs: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]]) -> Replayable | None:
         """The graph for ``key``, captured now from ``fn`` and example ``inputs`` if new; None when

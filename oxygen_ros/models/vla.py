@@ -55,6 +55,32 @@ def left_pack(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch
     return torch.gather(x, 1, index.expand(-1, -1, *x.shape[2:])), lens
 
 
+class _StaticDecodeStep:
+    """The ``KVCacheView`` a replayed decode step attends through: fixed rows and key length, the new
+    token's K/V written with static slot tensors (:meth:`VLAModel._decode_graphed`).
+
+    ``source [rows]`` picks, for each padded row, the batch row whose K/V it writes (its own; row 0
+    for the padding, whose slots are row 0's too), so duplicate slots receive identical values.
+    """
+
+    shared_prefix_len = 0
+
+    def __init__(self, cached: torch.Tensor, page_slots: torch.Tensor, row_slots: torch.Tensor,
+                 source: torch.Tensor, tensors, rows: int, length: int):
+        self.cached_lens = cached
+        self.new_lens = torch.ones_like(cached)
+        self._page_slots, self._row_slots, self._source = page_slots, row_slots, source
+        self._tensors, self._rows, self._length = tensors, rows, length
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self._tensors
+        for pool, dense, new in ((t.pool_k[layer], t.rows_k[layer], k), (t.pool_v[layer], t.rows_v[layer], v)):
+            token = new[:, 0].to(pool.dtype).index_select(0, self._source)
+            pool.view(-1, *token.shape[1:]).index_copy_(0, self._page_slots, token)
+            dense.view(-1, *token.shape[1:]).index_copy_(0, self._row_slots, token)
+        return (t.rows_k[layer][:self._rows, :self._length], t.rows_v[layer][:self._rows, :self._length])
+
+
 def sinusoidal_time_embedding(t: torch.Tensor, width: int, min_period: float, max_period: float) -> torch.Tensor:
     """fp32 ``[N, width]`` = ``[sin, cos](2π t / period)`` for ``t [N]``.
 
@@ -253,8 +279,15 @@ class VLAModel(nn.Module):
         Raises:
             ValueError: an id outside ``[0, vocab_size)``.
         """
+        self._check_token_ids(token_ids)
+        return self._embed(token_ids)
+
+    def _check_token_ids(self, token_ids: torch.Tensor) -> None:
         if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`embed_tokens` without the range check (no host synchronisation: graph-capturable)."""
         return self.token_embedding(token_ids.to(self.device)) * self._embed_scale
 
     @torch.inference_mode()
@@ -362,6 +395,9 @@ class VLAModel(nn.Module):
         Returns:
             fp32 logits ``[B, vocab]`` of the next token (tied LM head). On the CPU a step of few
             requests runs on one intra-op thread (:func:`oxygen_ros.models.cpu_fast_paths.threads_for`).
+            With :meth:`enable_cuda_graphs` and a view that offers ``step_tensors`` (the engine's decode
+            view) the step is replayed from the graph of its batch and length buckets
+            (:meth:`_decode_graphed`).
 
         Raises:
             ValueError: ``token_ids`` not ``[B]`` or ``new_lens`` not all 1.
@@ -371,11 +407,57 @@ class VLAModel(nn.Module):
             raise ValueError(f"token_ids must be [B], got {tuple(token_ids.shape)}")
         if not bool((kv.new_lens == 1).all()):
             raise ValueError(f"decode_step needs new_lens all 1, got {kv.new_lens.tolist()}")
-        embeds = self.embed_tokens(token_ids)[:, None, :]
-        new_mask = torch.ones(token_ids.shape[0], 1, 1, dtype=torch.bool, device=self.device)
+        self._check_token_ids(token_ids)
         with cpu_fast_paths.threads_for(token_ids.shape[0], self.device):
-            hidden = self._vlm_cached(embeds, kv, new_mask)
-            return self._lm_logits(self.vlm.norm(hidden[:, 0])[0])
+            if self._graphed() and hasattr(kv, "step_tensors"):
+                return self._decode_graphed(token_ids, kv)
+            return self._decode(self._embed(token_ids)[:, None, :], kv)
+
+    def _decode(self, embeds: torch.Tensor, kv) -> torch.Tensor:
+        """The decode step's forward over ``embeds [B, 1, W]``: fp32 logits ``[B, vocab]``."""
+        new_mask = torch.ones(embeds.shape[0], 1, 1, dtype=torch.bool, device=self.device)
+        hidden = self._vlm_cached(embeds, kv, new_mask)
+        return self._lm_logits(self.vlm.norm(hidden[:, 0])[0])
+
+    def _decode_graphed(self, token_ids: torch.Tensor, kv) -> torch.Tensor:
+        """:meth:`decode_step` replayed from the graph of its batch bucket and key-length bucket.
+
+        The batch is padded to :func:`batch_bucket` rows with copies of row 0 (its token, length and
+        slots: a padded row writes row 0's own K/V into row 0's slots, so nothing else is touched) and
+        the keys to a multiple of ``prefix_bucket`` (at most the decode rows' width; keys past a row's
+        length are masked, and the rows hold finite values there). The graph writes the new token's
+        K/V into the pool and the decode rows (:class:`~oxygen_ros.models.kv_cache.DecodeStepTensors`)
+        as :meth:`KVCacheView.attend` would. A graph records the storage it was captured on, so its key
+        holds the storage's address and shape; graphs of storage since replaced are dropped.
+        """
+        batch = token_ids.shape[0]
+        rows = batch_bucket(batch)
+        tensors = kv.step_tensors(rows)
+        dense = tensors.rows_k[0]
+        length = min(round_up(int(kv.cached_lens.max()) + 1, self._prefix_bucket), dense.shape[1])
+        storage = (dense.data_ptr(), tuple(dense.shape), tensors.pool_k[0].data_ptr())
+        self._graphs.discard(lambda key: key[0] == "decode" and key[3] != storage and key[3][2] == storage[2])
+        key = ("decode", rows, length, storage)
+
+        def step(ids, cached, page_slots, row_slots, source):
+            view = _StaticDecodeStep(cached, page_slots, row_slots, source, tensors, rows, length)
+            return self._decode(self._embed(ids)[:, None, :], view)
+
+        device, pad = self.device, rows - batch
+
+        def padded(x: torch.Tensor) -> torch.Tensor:
+            x = x.to(device)
+            return torch.cat((x, x[:1].expand(pad))) if pad else x
+
+        source = torch.cat((torch.arange(batch, device=device), torch.zeros(pad, dtype=torch.long, device=device)))
+        values = [padded(token_ids), padded(kv.cached_lens), padded(tensors.page_slots), padded(tensors.row_slots),
+                  source]
+        call = self._graphs.get(key, step, values)
+        if call is None:
+            return step(*values)[:batch]
+        for buffer, value in zip(call.inputs, values):
+            buffer.copy_(value)
+        return call.replay()[:batch].clone()
 
     def _vlm_cached(self, x: torch.Tensor, kv: KVCacheView, new_mask: torch.Tensor) -> torch.Tensor:
         """VLM layers over new tokens ``x [B, T, W]`` with cached K/V; ``new_mask [B, T, T]`` among new.
