@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="PaliGemma SentencePiece model for full presets, or 'tiny' for the offline "
                              "tiny tokenizer over the preset's vocabulary (timing with random weights)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                        help="on CUDA, replay vision and denoise from CUDA graphs (the engine's cuda_graphs; "
+                        help="on CUDA, replay vision, denoise and decode steps from CUDA graphs (the engine's cuda_graphs; "
                              "--no-cuda-graphs: eager)")
     parser.add_argument("--graph-backend", choices=["cuda", "direct"], default="cuda",
                         help="'direct': run the CUDA-graph path (batch and length buckets, static buffers, "
@@ -507,8 +507,8 @@ def _graphs_note(results: dict) -> str:
     name = "graph path with direct calls" if mode == "direct" else "CUDA graphs"
     counts = results.get("graphs")
     if counts is None:
-        return f", {name} (vision, denoise)"
-    return (f", {name} (vision, denoise: {counts['captures']} captured, {counts['replays']} replays, "
+        return f", {name} (vision, denoise, decode)"
+    return (f", {name} (vision, denoise, decode: {counts['captures']} captured, {counts['replays']} replays, "
             f"{counts['evictions']} evicted, {counts['failures']} failed)")
 
 

@@ -171,10 +171,12 @@ class VLAModel(nn.Module):
 
     def enable_cuda_graphs(self, enabled: bool = True, prefix_bucket: int = 64, max_graphs: int = 16,
                            backend: str = "cuda") -> None:
-        """Replay :meth:`denoise` and :meth:`encode_images` from CUDA graphs on a CUDA device.
+        """Replay :meth:`denoise`, :meth:`encode_images` and :meth:`decode_step` from CUDA graphs on a
+        CUDA device.
 
         Each distinct shape (images per vision call; batch bucket, prefix-length bucket, horizon,
-        steps per denoise) is captured on its first call (one eager run plus the capture, ~2x one
+        steps per denoise; batch bucket, key-length bucket and decode-row storage per decode step,
+        over the engine's decode view) is captured on its first call (one eager run plus the capture, ~2x one
         call) and replayed afterwards with one launch (:mod:`oxygen_ros.models.cuda_graphs`). A
         denoise is padded (masked) up to its buckets: the prefix to a multiple of ``prefix_bucket``
         tokens, the batch to :func:`~oxygen_ros.models.cuda_graphs.batch_bucket` rows. Results equal
