@@ -273,3 +273,30 @@ def test_decode_steps_replay_from_batch_and_length_buckets(backend):
     # storage, so both were dropped and (4 rows, 128 keys) captured on the new one.
     assert [key[:3] for key in cache.keys()] == [("decode", 4, 128)]
     assert (cache.captures, cache.replays, cache.evictions, cache.failures) == (3, 6, 2, 0)
+
+
+def test_the_engine_through_the_graph_path_acts_and_speaks_as_eagerly():
+    """Engine cycles (vision, prefills, denoise, batched decode steps of two language tasks) with the
+    graph path on direct calls give the eager engine's actions and the same tokens."""
+    from engine_support import MEMORY, SPEECH, ByteIO, engine_config, observation
+
+    from oxygen_ros.engine import Engine
+
+    model = load_model("pi05_tiny", dtype=torch.float32, seed=7)
+    tasks = [dict(SPEECH, max_new_tokens=5), dict(MEMORY, max_new_tokens=3)]
+
+    def run():
+        engine = Engine(model, ByteIO(model.config), engine_config("unified", tasks))
+        chunks, texts = [], []
+        for seq in range(4):
+            result = engine.run_cycle(observation(seq), on_action=chunks.append)
+            texts += [(e.task, e.seq, e.text) for e in result.text_events]
+        texts += [(e.task, e.seq, e.text) for e in engine.flush()[0]]
+        return [torch.as_tensor(c.actions) for c in chunks], texts
+
+    eager_actions, eager_texts = run()
+    model.enable_cuda_graphs(backend="direct")
+    actions, texts = run()
+    assert texts == eager_texts and any(text for _, _, text in texts)
+    assert all(torch.allclose(a, b, atol=ATOL, rtol=0) for a, b in zip(eager_actions, actions))
+    assert {key[0] for key in model.cuda_graphs.keys()} == {"vision", "denoise", "decode"}
