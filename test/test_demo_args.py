@@ -50,11 +50,19 @@ def test_an_output_directory_with_a_recording_is_refused(demo, tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--duration", "0"], ["--duration", "-1"], ["--startup-timeout", "0"],
-                                  ["--max-duration", "-5"]])
+                                  ["--max-duration", "-5"], ["--control-rate", "0"]])
 def test_non_positive_durations_are_usage_errors(demo, argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         demo.parse_args(argv)
     assert exit_info.value.code == 2 and "must be > 0" in capsys.readouterr().err
+
+
+def test_rate_calibration_is_on_by_default_and_can_be_switched_off(demo, capsys):
+    assert demo.parse_args([]).calibration_cycles == demo.demo_rate.CALIBRATION_CYCLES > 0
+    assert demo.parse_args(["--calibration-cycles", "0"]).calibration_cycles == 0
+    with pytest.raises(SystemExit) as exit_info:
+        demo.parse_args(["--calibration-cycles", "-1"])
+    assert exit_info.value.code == 2 and "--calibration-cycles must be >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("seed", ["-1", str(2 ** 32)])

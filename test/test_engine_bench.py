@@ -73,3 +73,4 @@ def test_engine_bench_rejects_bad_arguments_before_building_the_model(tmp_path, 
             raise AssertionError(f"{argv} was accepted")
         assert "error:" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+

@@ -26,7 +26,8 @@ def test_model_bench_torch_kernels_switch(capsys):
 
 
 @pytest.mark.parametrize("argv", [["--repeats", "0"], ["--num-denoise-steps", "0"], ["--cameras", "0"], ["--threads", "-1"],
-                                  ["--warmup", "-1"], ["--presets", "nope"], ["--device", "gpu"]])
+                                  ["--warmup", "-1"], ["--presets", "nope"], ["--device", "gpu"],
+                                  ["--graph-backend", "tpu"]])
 def test_model_bench_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         model_bench.main(argv)

@@ -293,8 +293,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="PaliGemma SentencePiece model for full presets, or 'tiny' for the offline "
                              "tiny tokenizer over the preset's vocabulary (timing with random weights)")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                        help="on CUDA, replay vision and denoise from CUDA graphs (the engine's cuda_graphs; "
+                        help="on CUDA, replay vision, denoise and decode steps from CUDA graphs (the engine's cuda_graphs; "
                              "--no-cuda-graphs: eager)")
+    parser.add_argument("--graph-backend", choices=["cuda", "direct"], default="cuda",
+                        help="'direct': run the CUDA-graph path (batch and length buckets, static buffers, "
+                             "replay selection) with direct calls instead of capture and replay, on any device "
+                             "(the GPU path checked on the CPU; implies --cuda-graphs)")
     parser.add_argument("--torch-kernels", action="store_true",
                         help="on the CPU: no native decode attention and no oneDNN-prepacked weights "
                              "(the plain torch / MKL paths, for A/B)")
@@ -333,13 +337,17 @@ def _run(args: argparse.Namespace, config, tokenizer) -> int:
     parts = load_parts(args.preset, robot, tokenizer=tokenizer, action_horizon=config.action_horizon,
                        dtype=args.dtype, device=args.device)
     model, processor = parts.model, parts.processor
+    if args.graph_backend == "direct":
+        args.cuda_graphs = True
+        model.enable_cuda_graphs(backend="direct")
     bench = Bench(parts, args.frames, args.warmup, args.kv_budget_mb, args.cuda_graphs)
     horizon = model.config.action_horizon
     results: dict = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                                  "torch": torch.__version__, "threads": torch.get_num_threads(),
                                  "device": args.device, "device_name": _device_name(model.device)},
                      "tokenizer": args.tokenizer_path or "preset",
-                     "cuda_graphs": args.cuda_graphs and model.device.type == "cuda",
+                     "cuda_graphs": ("direct" if args.graph_backend == "direct"
+                                     else args.cuda_graphs and model.device.type == "cuda"),
                      "cpu_kernels": cpu_kernels(model.device, model.config, args.torch_kernels),
                      "preset": args.preset, "dtype": args.dtype, "robot": args.robot,
                      "frames": args.frames, "horizon": horizon, "args": vars(args), "rows": []}
@@ -429,6 +437,11 @@ def _run(args: argparse.Namespace, config, tokenizer) -> int:
     results["costs_s_per_group"] = {**{f"N={n}": g for n, g in zip(args.n, groups)}, "two-task": c2}
     results["paper"] = {"best": PAPER_BEST, "k5": PAPER_K5, "gpu": "RTX 4090"}
 
+    graphs = model.cuda_graphs
+    if results["cuda_graphs"] and graphs is not None:
+        results["graphs"] = {"captures": graphs.captures, "replays": graphs.replays,
+                             "evictions": graphs.evictions, "failures": graphs.failures,
+                             "keys": [list(key) for key in graphs.keys()]}
     _print(results)
     save()
     print(f"\nJSON written to {out}")
@@ -486,13 +499,26 @@ COLUMNS = [
 ]
 
 
+def _graphs_note(results: dict) -> str:
+    """The header's note on the graph path: off, CUDA graphs, or direct calls (with the counters)."""
+    mode = results.get("cuda_graphs")
+    if not mode:
+        return ""
+    name = "graph path with direct calls" if mode == "direct" else "CUDA graphs"
+    counts = results.get("graphs")
+    if counts is None:
+        return f", {name} (vision, denoise, decode)"
+    return (f", {name} (vision, denoise, decode: {counts['captures']} captured, {counts['replays']} replays, "
+            f"{counts['evictions']} evicted, {counts['failures']} failed)")
+
+
 def _print(results: dict) -> None:
     c = results["costs_s"]
     print(f"preset {results['preset']} ({results['dtype']}), robot {results['robot']}, "
           f"{results['frames']} frames/setting, H={results['horizon']}, "
           f"{results['machine']['threads']} threads on {results['machine']['device']} "
           f"({results['machine']['device_name']}), tokenizer {results['tokenizer']}"
-          f"{', CUDA graphs (vision, denoise)' if results.get('cuda_graphs') else ''}"
+          f"{_graphs_note(results)}"
           f"{', ' + results['cpu_kernels'] if results.get('cpu_kernels') else ''}")
     print(f"P = {1e3 * c['P']:.1f} ms (vision {1e3 * c['V']:.1f}), D = {1e3 * c['D']:.1f} ms, "
           f"d = {1e3 * c['d']:.2f} ms")

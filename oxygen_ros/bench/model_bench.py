@@ -37,12 +37,14 @@ def _median_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
 
 
 def bench_preset(preset: str, device: str, dtype: str, cameras: int, prompt_len: int, steps: int,
-                 decode_batch: int, warmup: int, repeats: int, cuda_graphs: bool = True) -> dict[str, float]:
+                 decode_batch: int, warmup: int, repeats: int, cuda_graphs: bool = True,
+                 graph_backend: str = "cuda") -> dict[str, float]:
     """Median latencies (ms) of one preset: ``vision``, ``prefill``, ``denoise``, ``cycle`` (all three
     for one observation) and ``decode_step`` (a batch of ``decode_batch`` requests). ``cuda_graphs``:
-    vision and denoise replayed from CUDA graphs on a CUDA device (captured during the warm-up)."""
+    vision and denoise replayed from CUDA graphs on a CUDA device (captured during the warm-up);
+    ``graph_backend="direct"``: through the same graph path with direct calls, on any device."""
     model = load_model(preset, dtype=dtype, device=device)
-    model.enable_cuda_graphs(cuda_graphs)
+    model.enable_cuda_graphs(cuda_graphs, backend=graph_backend)
     c, dev = model.config, model.device
     gen = torch.Generator(device=dev).manual_seed(0)
     pixels = torch.rand(cameras, 3, c.image_size, c.image_size, generator=gen, device=dev) * 2 - 1
@@ -95,6 +97,15 @@ def bench_preset(preset: str, device: str, dtype: str, cameras: int, prompt_len:
                              ("decode_step", decode_step))}
 
 
+def _graph_mode(args: argparse.Namespace, device: torch.device) -> str:
+    """The header's word for how vision and denoise run: eager, cuda_graphs, or direct_graph_path."""
+    if not args.cuda_graphs:
+        return " eager"
+    if args.graph_backend == "direct":
+        return " direct_graph_path"
+    return " cuda_graphs" if device.type == "cuda" else " eager"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="oxygen-bench-model", description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=["pi05_tiny", "pi0_tiny"], choices=sorted(PRESETS))
@@ -110,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="on CUDA, replay vision and denoise from CUDA graphs (cuda_graphs; --no-cuda-graphs: "
                              "eager)")
+    parser.add_argument("--graph-backend", choices=["cuda", "direct"], default="cuda",
+                        help="'direct': vision and denoise through the CUDA-graph path (buckets, static buffers, "
+                             "replay selection) with direct calls instead of capture and replay, on any device")
     parser.add_argument("--torch-kernels", action="store_true",
                         help="on the CPU: no native decode attention and no oneDNN-packed weights "
                              "(the plain torch / MKL paths, for A/B)")
@@ -131,12 +145,12 @@ def main(argv: list[str] | None = None) -> None:
             else None
         print(f"device={args.device} dtype={args.dtype} cameras={args.cameras} prompt={args.prompt_len} "
               f"S={args.num_denoise_steps} decode_batch={args.decode_batch} threads={torch.get_num_threads()}"
-              f"{' eager' if not args.cuda_graphs or device.type != 'cuda' else ' cuda_graphs'}"
+              f"{_graph_mode(args, device)}"
               f"{f' ({paths})' if paths else ''}")
         print(f"{'preset':<12}{'vision':>10}{'prefill':>10}{'denoise':>10}{'cycle':>10}{'decode':>10}   (ms, median)")
         for preset in args.presets:
             r = bench_preset(preset, args.device, args.dtype, args.cameras, args.prompt_len, args.num_denoise_steps,
-                             args.decode_batch, args.warmup, args.repeats, args.cuda_graphs)
+                             args.decode_batch, args.warmup, args.repeats, args.cuda_graphs, args.graph_backend)
             print(f"{preset:<12}{r['vision']:>10.1f}{r['prefill']:>10.1f}{r['denoise']:>10.1f}"
                   f"{r['cycle']:>10.1f}{r['decode_step']:>10.2f}")
 

@@ -441,8 +441,9 @@ class EngineConfig:
     metrics_window: int = knob(1000, "most recent cycles and requests the metrics keep for percentiles "
                                "(counters are running totals, so memory stays flat on a long run)",
                                low=1, high=10_000_000)
-    cuda_graphs: bool = knob(True, "on a CUDA device, replay the vision tower and the denoising loop from "
-                             "CUDA graphs (captured on first use; false = eager PyTorch); ignored on the CPU",
+    cuda_graphs: bool = knob(True, "on a CUDA device, replay the vision tower, the denoising loop and the "
+                             "decode step from CUDA graphs (captured on first use of each batch and length "
+                             "bucket; false = eager PyTorch); ignored on the CPU",
                              when=STRUCTURAL)
 
     def __post_init__(self) -> None:

@@ -114,6 +114,12 @@ class DecodeRows:
         self._sync(seqs)
         return sorted(range(batch), key=lambda i: self._rows[seqs[i]])
 
+    def reserve_rows(self, rows: int) -> None:
+        """At least ``rows`` rows, the width and every row's content kept (a decode step padded to a
+        batch bucket reads rows beyond its batch)."""
+        if self._k:
+            self._ensure(rows, self.width)
+
     def _ensure(self, rows: int, length: int) -> None:
         """Grow the workspace to at least ``rows`` x ``length`` tokens, keeping content.
 

@@ -16,7 +16,7 @@ import torch
 
 from oxygen_ros.engine.block_pool import BlockPool
 from oxygen_ros.engine.decode_rows import DecodeRows
-from oxygen_ros.models.kv_cache import KVLengths
+from oxygen_ros.models.kv_cache import DecodeStepTensors, KVLengths
 
 if TYPE_CHECKING:
     from oxygen_ros.engine.kv_cache_manager import KVSequence
@@ -239,6 +239,26 @@ class DecodeKVCacheView(KVLengths):
             dense.view(-1, *token.shape[1:]).index_copy_(0, self._row_slots, token)
         self._attended.add(layer)
         return (self._rows.k(layer)[:rows, :self._length], self._rows.v(layer)[:rows, :self._length])
+
+    def step_tensors(self, rows: int) -> DecodeStepTensors:
+        """The step's slots and storage for a forward outside :meth:`attend` that writes every layer
+        itself (a replayed decode graph padded to ``rows`` >= B rows): the workspace is grown to at
+        least ``rows`` rows (its width and content kept) and every layer counts as attended.
+
+        Raises:
+            RuntimeError: the step was already committed.
+            ValueError: ``rows`` below the batch.
+        """
+        if self._committed:
+            raise RuntimeError("step_tensors() after commit(): a decode view serves one step")
+        if rows < len(self._seqs):
+            raise ValueError(f"{rows} rows for a batch of {len(self._seqs)}")
+        self._rows.reserve_rows(rows)
+        self._attended.update(range(self._pool.num_layers))
+        layers = range(self._pool.num_layers)
+        return DecodeStepTensors(page_slots=self._page_slots, row_slots=self._row_slots,
+                                 rows_k=[self._rows.k(i) for i in layers], rows_v=[self._rows.v(i) for i in layers],
+                                 pool_k=list(self._pool.k), pool_v=list(self._pool.v))
 
     def commit(self) -> None:
         """End the step: each sequence (and its decode row) holds its new token.

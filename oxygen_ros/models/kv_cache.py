@@ -20,6 +20,8 @@ cached tensors and ``[:new_lens[b]]`` in the new tensors; anything beyond is pad
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -66,6 +68,27 @@ class KVCacheView(Protocol):
         Raises:
             RuntimeError: the view is read-only.
         """
+
+
+@dataclass
+class DecodeStepTensors:
+    """Where one decode step's new tokens go, for a forward that writes them itself (a decode step
+    replayed from a graph) instead of through :meth:`KVCacheView.attend`.
+
+    Attributes:
+        page_slots: int64 ``[B]``, each row's flat slot in the pool (``pool_k[i].view(-1, kv_heads, hd)``).
+        row_slots: int64 ``[B]``, each row's flat slot in the dense rows (``rows_k[i].view(-1, kv_heads, hd)``).
+        rows_k, rows_v: per layer the dense rows ``[N, W, kv_heads, hd]``, N >= the padded batch; row b
+            holds its sequence's ``cached_lens[b]`` tokens, the rest finite (zeros or older tokens).
+        pool_k, pool_v: per layer the paged storage.
+    """
+
+    page_slots: torch.Tensor
+    row_slots: torch.Tensor
+    rows_k: list[torch.Tensor]
+    rows_v: list[torch.Tensor]
+    pool_k: list[torch.Tensor]
+    pool_v: list[torch.Tensor]
 
 
 class KVLengths:

@@ -30,7 +30,7 @@ from torch import nn
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from .config import VLAConfig
-from .cuda_graphs import GraphCache, round_up
+from .cuda_graphs import BACKENDS, GraphCache, batch_bucket, round_up
 from .gemma import (AdaRMSNorm, AttentionMask, GemmaStack, RMSNorm, apply_rope, attention, rope_cos_sin,
                     rope_inverse_frequencies)
 from . import cpu_fast_paths, native
@@ -53,6 +53,32 @@ def left_pack(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch
     width = int(lens.max()) if lens.numel() else 0
     index = order[:, :width].reshape(*order.shape[:1], width, *([1] * (x.dim() - 2)))
     return torch.gather(x, 1, index.expand(-1, -1, *x.shape[2:])), lens
+
+
+class _StaticDecodeStep:
+    """The ``KVCacheView`` a replayed decode step attends through: fixed rows and key length, the new
+    token's K/V written with static slot tensors (:meth:`VLAModel._decode_graphed`).
+
+    ``source [rows]`` picks, for each padded row, the batch row whose K/V it writes (its own; row 0
+    for the padding, whose slots are row 0's too), so duplicate slots receive identical values.
+    """
+
+    shared_prefix_len = 0
+
+    def __init__(self, cached: torch.Tensor, page_slots: torch.Tensor, row_slots: torch.Tensor,
+                 source: torch.Tensor, tensors, rows: int, length: int):
+        self.cached_lens = cached
+        self.new_lens = torch.ones_like(cached)
+        self._page_slots, self._row_slots, self._source = page_slots, row_slots, source
+        self._tensors, self._rows, self._length = tensors, rows, length
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self._tensors
+        for pool, dense, new in ((t.pool_k[layer], t.rows_k[layer], k), (t.pool_v[layer], t.rows_v[layer], v)):
+            token = new[:, 0].to(pool.dtype).index_select(0, self._source)
+            pool.view(-1, *token.shape[1:]).index_copy_(0, self._page_slots, token)
+            dense.view(-1, *token.shape[1:]).index_copy_(0, self._row_slots, token)
+        return (t.rows_k[layer][:self._rows, :self._length], t.rows_v[layer][:self._rows, :self._length])
 
 
 def sinusoidal_time_embedding(t: torch.Tensor, width: int, min_period: float, max_period: float) -> torch.Tensor:
@@ -106,6 +132,8 @@ class VLAModel(nn.Module):
         self._embed_scale = math.sqrt(c.vlm_width)
         self._graphs: GraphCache | None = None
         self._prefix_bucket = 64
+        # Keep the fp32 copy of a bf16 LM head between decode steps (_lm_logits): None = on CUDA only.
+        self.keep_lm_head_fp32: bool | None = None
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -141,36 +169,52 @@ class VLAModel(nn.Module):
             native.load()
         return native.status()
 
-    def enable_cuda_graphs(self, enabled: bool = True, prefix_bucket: int = 64, max_graphs: int = 16) -> None:
-        """Replay :meth:`denoise` and :meth:`encode_images` from CUDA graphs on a CUDA device.
+    def enable_cuda_graphs(self, enabled: bool = True, prefix_bucket: int = 64, max_graphs: int = 16,
+                           backend: str = "cuda") -> None:
+        """Replay :meth:`denoise`, :meth:`encode_images` and :meth:`decode_step` from CUDA graphs on a
+        CUDA device.
 
-        Each distinct shape (images per vision call; batch, prefix-length bucket, horizon, steps per
-        denoise) is captured on its first call (one eager run plus the capture, ~2x one call) and
-        replayed afterwards with one launch (:mod:`oxygen_ros.models.cuda_graphs`). Results equal the
-        eager path's up to kernel summation order. No effect on the CPU. Capturing allocates the
-        graphs' static buffers and working memory in one private pool; weights must not be replaced
-        afterwards (call again to drop the graphs after loading new weights).
+        Each distinct shape (images per vision call; batch bucket, prefix-length bucket, horizon,
+        steps per denoise; batch bucket, key-length bucket and decode-row storage per decode step,
+        over the engine's decode view) is captured on its first call (one eager run plus the capture, ~2x one
+        call) and replayed afterwards with one launch (:mod:`oxygen_ros.models.cuda_graphs`). A
+        denoise is padded (masked) up to its buckets: the prefix to a multiple of ``prefix_bucket``
+        tokens, the batch to :func:`~oxygen_ros.models.cuda_graphs.batch_bucket` rows. Results equal
+        the eager path's up to kernel summation order. Capturing allocates the graphs' static buffers
+        and working memory in one private pool; weights must not be replaced afterwards (call again
+        to drop the graphs after loading new weights).
 
         Args:
             enabled: False drops every graph and runs eagerly.
             prefix_bucket: denoise prefixes are padded (masked) up to a multiple of this many tokens.
             max_graphs: most graphs kept, least recently used dropped first.
+            backend: ``"cuda"``: CUDA graphs, on a CUDA device only (no effect on the CPU);
+                ``"direct"``: the same path (buckets, padding, static buffers, cache, replay
+                selection) with each replay a direct call, on any device (tests and benches of the
+                graph path without a GPU).
 
         Raises:
-            ValueError: ``enabled`` not a bool, ``prefix_bucket`` or ``max_graphs`` not an int >= 1.
+            ValueError: ``enabled`` not a bool, ``prefix_bucket`` or ``max_graphs`` not an int >= 1,
+                unknown ``backend``.
         """
         if not isinstance(enabled, bool):
             raise ValueError(f"enabled must be True or False, got {enabled!r}")
         for name, value in (("prefix_bucket", prefix_bucket), ("max_graphs", max_graphs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        self._graphs = GraphCache(max_graphs) if enabled else None
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+        self._graphs = GraphCache(max_graphs, backend) if enabled else None
         self._prefix_bucket = prefix_bucket
 
     @property
     def cuda_graphs(self) -> GraphCache | None:
         """The graph cache (capture and replay counters) when enabled, else None."""
         return self._graphs
+
+    def _graphed(self) -> bool:
+        """True when calls go through the graph cache (enabled, and its backend serves the device)."""
+        return self._graphs is not None and self._graphs.serves(self.device)
 
     def reset_buffers(self) -> None:
         """Recompute the non-persistent buffers (RoPE frequencies, SigLIP position ids), e.g. after
@@ -220,7 +264,7 @@ class VLAModel(nn.Module):
         if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (3, c.image_size, c.image_size):
             raise ValueError(f"pixels must be [N, 3, {c.image_size}, {c.image_size}], got {tuple(pixels.shape)}")
         pixels = pixels.to(self.device, self.dtype)
-        if self._graphs is not None and self.device.type == "cuda":
+        if self._graphed():
             call = self._graphs.get(("vision", pixels.shape[0]), self._encode, [pixels])
             if call is not None:
                 call.inputs[0].copy_(pixels)
@@ -237,8 +281,15 @@ class VLAModel(nn.Module):
         Raises:
             ValueError: an id outside ``[0, vocab_size)``.
         """
+        self._check_token_ids(token_ids)
+        return self._embed(token_ids)
+
+    def _check_token_ids(self, token_ids: torch.Tensor) -> None:
         if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`embed_tokens` without the range check (no host synchronisation: graph-capturable)."""
         return self.token_embedding(token_ids.to(self.device)) * self._embed_scale
 
     @torch.inference_mode()
@@ -346,6 +397,9 @@ class VLAModel(nn.Module):
         Returns:
             fp32 logits ``[B, vocab]`` of the next token (tied LM head). On the CPU a step of few
             requests runs on one intra-op thread (:func:`oxygen_ros.models.cpu_fast_paths.threads_for`).
+            With :meth:`enable_cuda_graphs` and a view that offers ``step_tensors`` (the engine's decode
+            view) the step is replayed from the graph of its batch and length buckets
+            (:meth:`_decode_graphed`).
 
         Raises:
             ValueError: ``token_ids`` not ``[B]`` or ``new_lens`` not all 1.
@@ -355,11 +409,57 @@ class VLAModel(nn.Module):
             raise ValueError(f"token_ids must be [B], got {tuple(token_ids.shape)}")
         if not bool((kv.new_lens == 1).all()):
             raise ValueError(f"decode_step needs new_lens all 1, got {kv.new_lens.tolist()}")
-        embeds = self.embed_tokens(token_ids)[:, None, :]
-        new_mask = torch.ones(token_ids.shape[0], 1, 1, dtype=torch.bool, device=self.device)
+        self._check_token_ids(token_ids)
         with cpu_fast_paths.threads_for(token_ids.shape[0], self.device):
-            hidden = self._vlm_cached(embeds, kv, new_mask)
-            return self._lm_logits(self.vlm.norm(hidden[:, 0])[0])
+            if self._graphed() and hasattr(kv, "step_tensors"):
+                return self._decode_graphed(token_ids, kv)
+            return self._decode(self._embed(token_ids)[:, None, :], kv)
+
+    def _decode(self, embeds: torch.Tensor, kv) -> torch.Tensor:
+        """The decode step's forward over ``embeds [B, 1, W]``: fp32 logits ``[B, vocab]``."""
+        new_mask = torch.ones(embeds.shape[0], 1, 1, dtype=torch.bool, device=self.device)
+        hidden = self._vlm_cached(embeds, kv, new_mask)
+        return self._lm_logits(self.vlm.norm(hidden[:, 0])[0])
+
+    def _decode_graphed(self, token_ids: torch.Tensor, kv) -> torch.Tensor:
+        """:meth:`decode_step` replayed from the graph of its batch bucket and key-length bucket.
+
+        The batch is padded to :func:`batch_bucket` rows with copies of row 0 (its token, length and
+        slots: a padded row writes row 0's own K/V into row 0's slots, so nothing else is touched) and
+        the keys to a multiple of ``prefix_bucket`` (at most the decode rows' width; keys past a row's
+        length are masked, and the rows hold finite values there). The graph writes the new token's
+        K/V into the pool and the decode rows (:class:`~oxygen_ros.models.kv_cache.DecodeStepTensors`)
+        as :meth:`KVCacheView.attend` would. A graph records the storage it was captured on, so its key
+        holds the storage's address and shape; graphs of storage since replaced are dropped.
+        """
+        batch = token_ids.shape[0]
+        rows = batch_bucket(batch)
+        tensors = kv.step_tensors(rows)
+        dense = tensors.rows_k[0]
+        length = min(round_up(int(kv.cached_lens.max()) + 1, self._prefix_bucket), dense.shape[1])
+        storage = (dense.data_ptr(), tuple(dense.shape), tensors.pool_k[0].data_ptr())
+        self._graphs.discard(lambda key: key[0] == "decode" and key[3] != storage and key[3][2] == storage[2])
+        key = ("decode", rows, length, storage)
+
+        def step(ids, cached, page_slots, row_slots, source):
+            view = _StaticDecodeStep(cached, page_slots, row_slots, source, tensors, rows, length)
+            return self._decode(self._embed(ids)[:, None, :], view)
+
+        device, pad = self.device, rows - batch
+
+        def padded(x: torch.Tensor) -> torch.Tensor:
+            x = x.to(device)
+            return torch.cat((x, x[:1].expand(pad))) if pad else x
+
+        source = torch.cat((torch.arange(batch, device=device), torch.zeros(pad, dtype=torch.long, device=device)))
+        values = [padded(token_ids), padded(kv.cached_lens), padded(tensors.page_slots), padded(tensors.row_slots),
+                  source]
+        call = self._graphs.get(key, step, values)
+        if call is None:
+            return step(*values)[:batch]
+        for buffer, value in zip(call.inputs, values):
+            buffer.copy_(value)
+        return call.replay()[:batch].clone()
 
     def _vlm_cached(self, x: torch.Tensor, kv: KVCacheView, new_mask: torch.Tensor) -> torch.Tensor:
         """VLM layers over new tokens ``x [B, T, W]`` with cached K/V; ``new_mask [B, T, T]`` among new.
@@ -409,12 +509,14 @@ class VLAModel(nn.Module):
 
         On CUDA the fp32 copy of a bf16 embedding is kept between calls (2.1 GB for π0.5's
         257152 x 2048 vocabulary), instead of converting it at every decode step; on CPU it is
-        converted per call, trading time for memory. The copy is refreshed if the weight changes.
+        converted per call, trading time for memory (``keep_lm_head_fp32`` True / False overrides
+        the choice on any device). The copy is refreshed if the weight changes.
         """
         weight = self.token_embedding.weight
         if weight.dtype == torch.float32:
             return F.linear(h.float(), weight)
-        if weight.device.type != "cuda":
+        keep = weight.device.type == "cuda" if self.keep_lm_head_fp32 is None else self.keep_lm_head_fp32
+        if not keep:
             return F.linear(h.float(), weight.float())
         key = (weight.data_ptr(), weight._version)
         cached = getattr(self, "_lm_head_fp32", None)
@@ -478,9 +580,9 @@ class VLAModel(nn.Module):
             if guidance.active:
                 return self._denoise_guided(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state,
                                             guidance)
-        if self._graphs is not None and self.device.type == "cuda":
-            return self._denoise_graphed(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
         with cpu_fast_paths.threads_for(b * horizon, self.device):
+            if self._graphed():
+                return self._denoise_graphed(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
             return self._denoise_loop(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
 
     def _denoise_guided(self, prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state,
@@ -496,34 +598,44 @@ class VLAModel(nn.Module):
                                       None if state is None else state.clone(), guidance)
 
     def _denoise_graphed(self, prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state):
-        """:meth:`_denoise_loop` replayed from a CUDA graph of the prefix length's bucket.
+        """:meth:`_denoise_loop` replayed from the graph of the call's buckets.
 
-        The prefix is padded with invalid (masked) tokens up to a multiple of ``prefix_bucket``;
-        masked keys get zero weight, so the result is the unpadded loop's up to summation order.
+        The prefix is padded with invalid (masked) tokens up to a multiple of ``prefix_bucket`` and
+        the batch with rows of no valid prefix token up to :func:`batch_bucket` rows; masked keys get
+        zero weight and rows are independent, so the first B rows of the result are the unpadded
+        loop's up to summation order. A replay writes the call's values into the graph's static
+        buffers and marks the rest invalid (the padded K/V keep finite values of earlier calls).
         """
         layers = len(prefix_k)
-        length = prefix_valid.shape[1]
+        batch, length = prefix_valid.shape
+        rows = batch_bucket(batch)
         bucket = round_up(max(length, 1), self._prefix_bucket)
-        pad = bucket - length
+        values = prefix_k + prefix_v + [prefix_valid, cached_lens, noise] + ([] if state is None else [state])
 
-        def padded(x: torch.Tensor) -> torch.Tensor:
-            return torch.cat((x, x.new_zeros((x.shape[0], pad, *x.shape[2:]))), dim=1) if pad else x
+        prefix_inputs = 2 * layers + 1       # K, V of every layer and the validity: [B, L, ...]
 
-        inputs = [padded(k) for k in prefix_k] + [padded(v) for v in prefix_v]
-        inputs += [padded(prefix_valid), cached_lens, noise] + ([] if state is None else [state])
+        def example() -> list[torch.Tensor]:
+            """The call's values padded to the buckets (capture, or an eager call after a failed one)."""
+            out = []
+            for i, x in enumerate(values):
+                padded = x.new_zeros((rows, bucket, *x.shape[2:]) if i < prefix_inputs else (rows, *x.shape[1:]))
+                padded[tuple(slice(0, n) for n in x.shape)] = x
+                out.append(padded)
+            return out
 
         def loop(*flat: torch.Tensor) -> torch.Tensor:
             return self._denoise_loop(list(flat[:layers]), list(flat[layers:2 * layers]), flat[2 * layers],
                                       flat[2 * layers + 1], flat[2 * layers + 2], steps,
                                       flat[2 * layers + 3] if state is not None else None)
 
-        key = ("denoise", noise.shape[0], bucket, noise.shape[1], steps, state is not None)
-        call = self._graphs.get(key, loop, inputs)
+        key = ("denoise", rows, bucket, noise.shape[1], steps, state is not None)
+        call = self._graphs.get(key, loop, example)
         if call is None:
-            return loop(*inputs)
-        for buffer, value in zip(call.inputs, inputs):
-            buffer.copy_(value)
-        return call.replay().clone()
+            return loop(*example())[:batch]
+        call.inputs[2 * layers].zero_()
+        for buffer, value in zip(call.inputs, values):
+            buffer[tuple(slice(0, n) for n in value.shape)].copy_(value)
+        return call.replay()[:batch].clone()
 
     def _denoise_loop(self, prefix_k: list[torch.Tensor], prefix_v: list[torch.Tensor],
                       prefix_valid: torch.Tensor, cached_lens: torch.Tensor, noise: torch.Tensor,

@@ -214,6 +214,30 @@ class ManagedNode(LifecycleNode):
         name = getattr(entity, "srv_name", None)
         return name is not None and name.rsplit("/", 1)[-1] == "change_state" and entity in self.services
 
+    def reconfigure(self, parameters: Mapping[str, Any]) -> None:
+        """Deactivate and clean up an active node, set ``parameters`` (name -> value), configure and activate
+        it again, on the calling thread (configure loads the model: seconds). Its subscriptions and timers
+        need no spinning meanwhile.
+
+        Raises:
+            RuntimeError: the node was not active, a parameter was refused, or a transition failed (the
+                reason in :attr:`configure_error` or the log); the node is then left in the state reached.
+        """
+        from rclpy.parameter import Parameter
+
+        if self._lifecycle_state != "active":
+            raise RuntimeError(f"reconfigure needs an active node, it is {self._lifecycle_state}")
+        for transition, trigger in (("deactivate", self.trigger_deactivate), ("cleanup", self.trigger_cleanup)):
+            if trigger() != TransitionCallbackReturn.SUCCESS:
+                raise RuntimeError(f"reconfigure: {transition} failed")
+        results = self.set_parameters([Parameter(name, value=value) for name, value in parameters.items()])
+        refused = [result.reason for result in results if not result.successful]
+        if refused:
+            raise RuntimeError(f"reconfigure: parameters {dict(parameters)} refused: {refused}")
+        for transition, trigger in (("configure", self.trigger_configure), ("activate", self.trigger_activate)):
+            if trigger() != TransitionCallbackReturn.SUCCESS:
+                raise RuntimeError(f"reconfigure: {transition} failed: {self._configure_error or 'see the log'}")
+
     def cancel_autostart(self) -> None:
         """Take no further autostart transition (a stop signal arrived): a configure in progress ends, but
         the node is not activated after it, so nothing is published after the signal. Any thread."""

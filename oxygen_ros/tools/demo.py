@@ -61,7 +61,7 @@ from oxygen_ros.models.processing import ACTION_PROMPT  # noqa: E402
 from oxygen_ros.msg import ActionChunk, MemoryEntry, Speech  # noqa: E402
 from oxygen_ros.models import get_preset  # noqa: E402
 from oxygen_ros.node.parameters import overrides, rtc_parameters  # noqa: E402
-from oxygen_ros.tools import demo_data, sim_robot  # noqa: E402
+from oxygen_ros.tools import demo_data, demo_rate, sim_robot  # noqa: E402
 from oxygen_ros.tools.bag_recorder import BagRecorder, default_run_dir  # noqa: E402
 from oxygen_ros.tools.child_process import start_child, stop_child  # noqa: E402
 
@@ -153,7 +153,16 @@ class DemoFollower(Node):
         self.create_subscription(MemoryEntry, f"{prefix}/memory", self._on_memory, 10)
         self._oxygen_node = oxygen_node
         self.cycles: dict[int, dict] = {}
+        self._ignored: set[int] = set()
         self.create_timer(1.0, self.collect_cycles)
+
+    def restart(self, ignore_seqs: set[int] = frozenset()) -> None:
+        """Count from zero again (the run starts after the rate calibration); the engine records of
+        ``ignore_seqs`` (the calibration's cycles, when the engine was kept) are not collected."""
+        self.chunks = self.final_utterances = self.completed_utterances = self.memory_entries = 0
+        self.first_chunk_time = None
+        self.cycles = {}
+        self._ignored = set(ignore_seqs)
 
     def _on_chunk(self, msg: ActionChunk) -> None:
         self.chunks += 1
@@ -178,7 +187,8 @@ class DemoFollower(Node):
         engine = self._oxygen_node.engine
         if engine is not None:
             for record in list(engine.metrics_records.cycles):
-                self.cycles.setdefault(record.seq, asdict(record))
+                if record.seq not in self._ignored:
+                    self.cycles.setdefault(record.seq, asdict(record))
 
 
 def _start_robot(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
@@ -188,6 +198,54 @@ def _start_robot(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
                "-p", f"camera_rate_hz:={args.camera_rate}", "-p", f"cameras:={json.dumps(list(args.cameras))}",
                "-p", f"action_chunk_topic:=/{NODE_NAME}/action_chunk", "-p", f"seed:={args.seed}"]
     return start_child(command, log_path)
+
+
+def calibrate_rate(args: argparse.Namespace, executor, oxygen, robot: subprocess.Popen, stop: threading.Event,
+                   deadline: float, log) -> tuple[demo_rate.RateChoice, set[int]]:
+    """Run the node at ``--control-rate`` until ``--calibration-cycles`` cycles (after the first
+    :data:`~oxygen_ros.tools.demo_rate.SKIPPED_CYCLES`) were measured, choose the rate from their cost
+    (:func:`oxygen_ros.tools.demo_rate.choose_rate`) and reconfigure the node to it when lower.
+
+    Returns the choice and the seqs of the calibration's cycles still in the engine's records (empty
+    when the node was reconfigured: a new engine). Uncalibrated (the configured rate) when
+    ``--calibration-cycles`` is 0, or when a stop signal, the robot's exit, a failed autostart or
+    ``deadline`` (a ``time.monotonic()`` instant) came first: the caller's loop reports those.
+
+    Raises:
+        RuntimeError: the node refused the new rate or failed to come back (:meth:`ManagedNode.reconfigure`).
+    """
+    configured = args.control_rate
+    uncalibrated = demo_rate.RateChoice(configured, configured, calibrated=False)
+    if args.calibration_cycles == 0:
+        return uncalibrated, set()
+    wanted = demo_rate.SKIPPED_CYCLES + args.calibration_cycles
+    log.info(f"calibrating the control rate: {wanted} cycles at {configured:g} Hz, the first "
+             f"{demo_rate.SKIPPED_CYCLES} not measured (--calibration-cycles 0: no calibration)")
+    records: list[dict] = []
+    engine = None
+    while not stop.is_set() and robot.poll() is None and oxygen.autostart_failed is None \
+            and time.monotonic() < deadline:
+        executor.spin_once(timeout_sec=0.1)
+        engine = oxygen.engine
+        if engine is not None:
+            records = sorted((asdict(r) for r in list(engine.metrics_records.cycles)), key=lambda r: r["seq"])
+            if len(records) >= wanted:
+                break
+    else:
+        log.warning(f"rate calibration ended after {len(records)} of {wanted} cycles; running at {configured:g} Hz")
+        return uncalibrated, set()
+    costs = demo_rate.measured_costs(records[:wanted], engine.config.min_decode_steps_per_cycle)
+    choice = demo_rate.choose_rate(costs, configured)
+    seqs = {r["seq"] for r in list(map(asdict, engine.metrics_records.cycles))}
+    log.info(f"control rate {choice.describe()}")
+    if choice.chosen_hz < configured:
+        changes = {"control_rate_hz": choice.chosen_hz}
+        if args.rtc == "on":        # the guided overlap follows the steps between chunks at the new rate
+            changes.update(rtc_parameters(get_preset(args.preset).action_horizon,
+                                          max(1, round(1.0 / (choice.chosen_hz * 0.02))), None))
+        oxygen.reconfigure(changes)
+        seqs = set()
+    return choice, seqs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -227,6 +285,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="action chunks per second [Hz] (default 4; 3 with --random-weights)")
     parser.add_argument("--rtc", choices=("on", "off"), default="on",
                         help="real-time chunking: each chunk continues the one the robot executes (default on)")
+    parser.add_argument("--calibration-cycles", type=int, default=demo_rate.CALIBRATION_CYCLES, metavar="N",
+                        help="before the run, measure N control cycles at --control-rate (with the robot "
+                             "rendering beside the node) and run at the highest rate, in steps of "
+                             f"{demo_rate.STEP_HZ:g} Hz, whose period is {demo_rate.HEADROOM:g}x their "
+                             f"p{100 * demo_rate.QUANTILE:g} cost, never above --control-rate (default "
+                             f"{demo_rate.CALIBRATION_CYCLES}; 0: run at --control-rate)")
     parser.add_argument("--camera-rate", type=float, default=None,
                         help="images per second per camera [Hz] (default: 3 / the number of cameras the policy "
                              "sees: 1 for three cameras)")
@@ -244,6 +308,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("duration", "startup_timeout", "max_duration"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0 s, got {getattr(args, name)}")
+    if args.calibration_cycles < 0:
+        parser.error(f"--calibration-cycles must be >= 0, got {args.calibration_cycles}")
+    if args.control_rate is not None and not args.control_rate > 0:
+        parser.error(f"--control-rate must be > 0 Hz, got {args.control_rate}")
     problem = demo_data.seed_range_problem("--seed", args.seed, 1)    # checked here, not in the robot's process
     if problem:
         parser.error(problem)
@@ -281,9 +349,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{run_dir} already holds a recording ({run_dir / 'bag'}); choose another --output")
     params = node_parameters(args)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "oxygen_node_params.yaml").write_text(
-        yaml.safe_dump({f"/**/{NODE_NAME}": {"ros__parameters": params}}, sort_keys=False))   # any namespace
 
+    def write_params() -> None:
+        (run_dir / "oxygen_node_params.yaml").write_text(
+            yaml.safe_dump({f"/**/{NODE_NAME}": {"ros__parameters": params}}, sort_keys=False))   # any namespace
+
+    write_params()
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -295,8 +366,6 @@ def main(argv: list[str] | None = None) -> int:
     recorder = follower = oxygen = None
     status = 1
     try:
-        recorder = BagRecorder(run_dir / "bag", context=context)
-        nodes.append(recorder)
         oxygen = OxygenNode(NODE_NAME, context=context,
                             parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
         nodes.append(oxygen)
@@ -307,6 +376,18 @@ def main(argv: list[str] | None = None) -> int:
         log = follower.get_logger()
         log.info(f"run directory {run_dir}; robot log {run_dir / 'sim_robot.log'}")
         startup_deadline = time.monotonic() + args.startup_timeout
+        choice, calibration_seqs = calibrate_rate(args, executor, oxygen, robot, stop, startup_deadline, log)
+        (run_dir / "control_rate.json").write_text(json.dumps(choice.as_dict(), indent=2))
+        if choice.chosen_hz != params["control_rate_hz"]:
+            params["control_rate_hz"] = choice.chosen_hz
+            write_params()
+        follower.restart(calibration_seqs)
+        # The recording (and the summary read from it) starts at the rate the run keeps.
+        recorder = BagRecorder(run_dir / "bag", context=context)
+        nodes.insert(0, recorder)     # destroyed last
+        executor.add_node(recorder)
+        if choice.calibrated:       # the first chunk of the run is due anew (after a reconfigure: its configure)
+            startup_deadline = time.monotonic() + args.startup_timeout
         next_progress = time.monotonic() + 10.0
         while not stop.is_set():
             executor.spin_once(timeout_sec=0.1)

@@ -58,6 +58,7 @@ class RunData:
     statuses: list = field(default_factory=list)          # EngineStatus messages (rosbags objects)
     frames: dict[str, list[tuple[int, np.ndarray]]] = field(default_factory=dict)  # topic -> (stamp_ns, rgb)
     cycles: list[dict] = field(default_factory=list)      # engine CycleRecord dicts
+    control_rate: dict | None = None                      # control_rate.json: the rate run and how it was chosen
     duration_s: float = 0.0
     topics: dict[str, int] = field(default_factory=dict)  # topic -> messages in the bag
 
@@ -178,6 +179,9 @@ def load_run(run_dir: Path | str) -> RunData:
     cycles_file = run_dir / "engine_cycles.json"
     if cycles_file.is_file():
         data.cycles = json.loads(cycles_file.read_text())
+    rate_file = run_dir / "control_rate.json"
+    if rate_file.is_file():
+        data.control_rate = json.loads(rate_file.read_text())
     return data
 
 
@@ -228,6 +232,11 @@ def summarize(data: RunData) -> dict:
         "tokens_per_s_engine": total_tokens / busy if busy > 0 else (last.tokens_per_second if last else None),
         "tokens_per_s_wall": total_tokens / span if span > 0 and data.cycles else None,
         "deadline_misses": int(last.deadline_misses) if last else None,
+        # Over the run's recorded cycles (the node's counter above also counts cycles before the recording).
+        "deadline_missed_cycles": sum(bool(c["deadline_missed"]) for c in data.cycles) if data.cycles else None,
+        "deadline_missed_pct": (100.0 * sum(bool(c["deadline_missed"]) for c in data.cycles) / len(data.cycles)
+                                if data.cycles else None),
+        "control_rate": data.control_rate,
         "dropped_frames": int(last.dropped_frames) if last else None,
         "dropped_requests": int(last.dropped_requests) if last else None,
         "kv_pool_peak_bytes": int(max(s.kv_pool_peak_bytes for s in data.statuses)) if last else None,
@@ -237,6 +246,16 @@ def summarize(data: RunData) -> dict:
         "camera_frames": {topic: len(frames) for topic, frames in data.frames.items()},
         "topics": data.topics,
     }
+
+
+def _describe_rate(rate: dict) -> str:
+    """The control-rate line of ``control_rate.json`` (:class:`oxygen_ros.tools.demo_rate.RateChoice`)."""
+    from oxygen_ros.tools.demo_rate import RateChoice
+
+    try:
+        return RateChoice(**rate).describe()
+    except (TypeError, ValueError):      # written by another version: its rate alone
+        return f"{rate.get('chosen_hz', 'n/a')} Hz"
 
 
 def format_summary(summary: dict) -> str:
@@ -252,9 +271,19 @@ def format_summary(summary: dict) -> str:
     task = ("n/a (no /task_outcome in the bag)" if not outcome else
             " ".join(f"{phase} {'✓' if outcome.get(phase) else '✗'}" for phase in PHASES)
             + f"  (cube seed {outcome.get('seed')}, {num(outcome.get('sim_time_s'), '.1f')} s simulated)")
+    rate = summary.get("control_rate")
+    if summary.get("deadline_missed_cycles") is not None:
+        misses = (f"{summary['deadline_missed_cycles']} of {summary['cycles_recorded']} cycles "
+                  f"({summary['deadline_missed_pct']:.1f} %)")
+    else:
+        misses = f"{summary['deadline_misses']}"
     lines = [
         "==== oxygen_ros demo summary ====",
         f"task               {task}",
+    ]
+    if rate:
+        lines.append(f"control rate       {_describe_rate(rate)}")
+    lines += [
         f"action chunks      {summary['action_chunks']} in {num(summary['active_span_s'], '.1f')} s: "
         f"{num(summary['action_chunks_per_s'])} chunks/s (H = {summary['action_horizon']}: "
         f"{num(summary['action_rate_hz'], '.1f')} actions/s), mean inference latency "
@@ -283,7 +312,7 @@ def format_summary(summary: dict) -> str:
     lines += [
         f"tokens/s           {num(summary['tokens_per_s_engine'], '.1f')} over engine time, "
         f"{num(summary['tokens_per_s_wall'], '.1f')} over wall time",
-        f"deadline misses    {summary['deadline_misses']}; dropped frames {summary['dropped_frames']}; "
+        f"deadline misses    {misses}; dropped frames {summary['dropped_frames']}; "
         f"dropped requests {summary['dropped_requests']}",
         f"peak KV pool       {pool}",
         f"bag                {sum(summary['topics'].values())} messages on {len(summary['topics'])} topics, "

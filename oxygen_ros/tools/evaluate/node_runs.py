@@ -187,16 +187,7 @@ def _reconfigure(oxygen, parameters: dict, timeout_s: float) -> None:
         RuntimeError: a transition failed, a parameter was refused, or the node was not active within
             ``timeout_s`` [s].
     """
-    from rclpy.parameter import Parameter
-
-    oxygen.trigger_deactivate()
-    oxygen.trigger_cleanup()
-    results = oxygen.set_parameters([Parameter(name, value=value) for name, value in parameters.items()])
-    refused = [result.reason for result in results if not result.successful]
-    if refused:
-        raise RuntimeError(f"the oxygen node refused {parameters}: {refused}")
-    oxygen.trigger_configure()
-    oxygen.trigger_activate()
+    oxygen.reconfigure(parameters)
     deadline = time.monotonic() + timeout_s
     while oxygen.lifecycle_state != "active":
         if oxygen.configure_error or time.monotonic() > deadline:
