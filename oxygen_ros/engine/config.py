@@ -444,6 +444,11 @@ class EngineConfig:
     cuda_graphs: bool = knob(True, "on a CUDA device, replay the vision tower and the denoising loop from "
                              "CUDA graphs (captured on first use; false = eager PyTorch); ignored on the CPU",
                              when=STRUCTURAL)
+    cpu_compile: bool = knob(False, "on the CPU in fp32, run each Euler step of the denoising loop as a graph "
+                             "compiled by torch.compile (inductor, cached on disk in ~/.cache/oxygen_ros/inductor; "
+                             "docs/models.md): compiled at engine construction for one robot's batch (5-25 s on "
+                             "2 cores) and on the first denoise of another batch size; the loop then runs "
+                             "1.3-2.3x faster; ignored elsewhere", when=STRUCTURAL)
 
     def __post_init__(self) -> None:
         _validate(self, "engine.")

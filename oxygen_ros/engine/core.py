@@ -28,7 +28,7 @@ class EngineCore:
     Args:
         model: the VLA (:class:`~oxygen_ros.engine.model_runner.RunnerModel`).
         processor: the runner's default pre/post-processing (a fleet's robots bring their own).
-        config: the pool (``kv_budget_mb``, ``block_size``), ``cuda_graphs`` and the step-cost
+        config: the pool (``kv_budget_mb``, ``block_size``), ``cuda_graphs``, ``cpu_compile`` and the step-cost
             estimator's ``step_cost_quantile`` / ``step_cost_window``.
 
     Attributes:
@@ -44,7 +44,7 @@ class EngineCore:
                               config.block_size, config.kv_budget_bytes, dtype=model.dtype,
                               device=model.device)
         self.manager = KVCacheManager(self.pool)
-        self.runner = ModelRunner(model, processor, self.manager, config.cuda_graphs)
+        self.runner = ModelRunner(model, processor, self.manager, config.cuda_graphs, config.cpu_compile)
         self.planner = PrefixPlanner(self.manager, self.runner, cfg.prompt_mask)
         self.estimator = StepCostEstimator(config.step_cost_quantile, config.step_cost_window)
         self.lock = threading.Lock()
