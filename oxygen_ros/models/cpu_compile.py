@@ -4,9 +4,9 @@ The denoising loop runs the action expert over a few action tokens ten times per
 small tensor ops per step, each a dispatch of microseconds, for products of 10-50 rows. Eager PyTorch
 spends most of that time between the arithmetic. ``torch.compile`` of one step's velocity
 (:meth:`oxygen_ros.models.vla.VLAModel._velocity`) with inductor's weight freezing fuses the
-elementwise ops (norms, RoPE, GELU, gated residuals) into a few generated C++ loops, folds the
-concatenated Q/K/V and gate/up weights once and runs the products on oneDNN-prepacked weights
-(figures: docs/benchmarks.md, "Compiled denoising steps").
+elementwise ops (norms, RoPE, GELU, gated residuals, the mask) into a few generated C++ loops called from a C++
+wrapper, and folds the concatenated Q/K/V and gate/up weights once; the products stay MKL's and the
+attention ATen's flash kernel (figures: docs/benchmarks.md, "Compiled denoising steps").
 
 One graph serves every prefix length: the prefix dimension is marked dynamic, so a new prompt length
 does not recompile; a new batch size or horizon does (a few seconds with inductor's on-disk cache
@@ -38,7 +38,10 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "oxygen_ros" / "inductor"
 # batch size / horizon is one compile of the same function, so a process holding several models needs
 # more before dynamo falls back to eager for good.
 RECOMPILE_LIMIT = 64
-_OPTIONS = {"freezing": True}
+# Inductor options: weights frozen into the graph (constant folding of the concatenated Q/K/V and gate/up
+# weights) and a C++ wrapper around the generated kernels instead of a Python one (fewer microseconds per
+# call; measured 1.61x vs 1.49x over eager on pi05_tiny, interleaved, docs/benchmarks.md).
+_OPTIONS = {"freezing": True, "cpp_wrapper": True}
 
 
 def cache_dir() -> Path:
