@@ -63,3 +63,25 @@ def test_switch_and_knob_validation():
     assert EngineConfig().cpu_compile is False
     with pytest.raises(ValueError, match="cpu_compile"):
         EngineConfig(cpu_compile="on")
+
+
+@pytest.mark.slow
+def test_engine_knob_compiles_at_construction_and_keeps_the_chunks():
+    """``cpu_compile`` (the node parameter of the same name): compiled when the engine is built, same chunks."""
+    import numpy as np
+
+    from engine_support import ByteIO, engine_config, observation, tiny_model
+    from oxygen_ros.engine import Engine
+
+    chunks = {}
+    for compiled in (False, True):
+        model = tiny_model(3)
+        engine = Engine(model, ByteIO(model.config), engine_config("unified", cpu_compile=compiled))
+        if compiled:   # compiled at construction, before any cycle
+            assert list(model.cpu_compile.compile_seconds) == [(1, model.config.action_horizon)]
+        else:
+            assert model.cpu_compile is None
+        chunks[compiled] = [engine.run_cycle(observation(seq)).action.actions for seq in range(2)]
+    assert model.cpu_compile.failed is None
+    for got, want in zip(chunks[True], chunks[False]):
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
