@@ -444,6 +444,11 @@ class EngineConfig:
     cuda_graphs: bool = knob(True, "on a CUDA device, replay the vision tower and the denoising loop from "
                              "CUDA graphs (captured on first use; false = eager PyTorch); ignored on the CPU",
                              when=STRUCTURAL)
+    intra_op_threads: int = knob(0, "torch intra-op CPU threads for inference: 0 = the cores other processes "
+                                 "leave free (measured from /proc/stat over the engine's construction and over "
+                                 "every control cycle; a change applies after two windows agree; "
+                                 "oxygen_ros/engine/threads.py), n = exactly n; process-wide; ignored off the CPU",
+                                 low=0, high=1024, when=STRUCTURAL)
     cpu_compile: bool = knob(False, "on the CPU in fp32, run each Euler step of the denoising loop as a graph "
                              "compiled by torch.compile (inductor, cached on disk in ~/.cache/oxygen_ros/inductor; "
                              "docs/models.md): compiled at engine construction for one robot's batch (8-25 s on "

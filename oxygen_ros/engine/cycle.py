@@ -115,6 +115,7 @@ class ControlLoop:
         Raises what the model or ``on_action`` raised; the submissions the cycle took then end as
         ``dropped``.
         """
+        self.core.threads.update()
         t0 = time.perf_counter()
         meter = self.meter()
         for robot in self.robots.values():
