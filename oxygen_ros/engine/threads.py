@@ -121,7 +121,12 @@ class IntraOpThreads:
     def update(self) -> int:
         """Close the window since the last sample (when at least :data:`MIN_WINDOW_S` long), measure the
         others' load over it and apply a new count once :data:`AGREEING_SAMPLES` windows agree. Call it at
-        a cycle's start (and at the end of the engine's construction). Returns the count in force."""
+        a cycle's start (and at the end of the engine's construction); it also sets torch's count back
+        to this engine's when something else in the process changed it. Returns the count in force."""
+        if not self.enabled:
+            return self.threads
+        if torch.get_num_threads() != self.threads:   # another engine of the process set its own
+            torch.set_num_threads(self.threads)
         if not self.automatic:
             return self.threads
         now = self._sample()
