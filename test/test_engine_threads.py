@@ -104,3 +104,19 @@ def test_the_engine_applies_its_setting():
     engine = Engine(model, ByteIO(model.config), engine_config("unified", intra_op_threads=1))
     engine.run_cycle(observation(0))
     assert torch.get_num_threads() == 1
+
+
+def test_the_threads_bench_interleaves_settings_and_ends_its_hog(tmp_path, capsys):
+    from oxygen_ros.bench import threads_bench
+
+    out = tmp_path / "threads.json"
+    result = threads_bench.main(["--settings", "0", "1", "--rounds", "1", "--frames", "1", "--warmup", "0",
+                                 "--tokens", "1", "--out", str(out)])
+    order = [(r["condition"], r["setting"]) for r in result["records"]]
+    assert order == [("idle", 0), ("idle", 1), ("hog", 0), ("hog", 1)]
+    assert all(r["threads"] == 1 for r in result["records"] if r["setting"] == 1)
+    with pytest.raises(ProcessLookupError):   # the hog was killed and reaped
+        threads_mod.os.kill(result["hog_pid"], 0)
+    assert "hog" in capsys.readouterr().out and out.exists()
+    with pytest.raises(SystemExit):
+        threads_bench.main(["--rounds", "0"])

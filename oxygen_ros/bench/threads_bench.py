@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
             hog.kill()
             hog.wait()
     result = {"preset": args.preset, "robot": args.robot, "cpus": os.cpu_count(), "torch": torch.__version__,
+              "hog_pid": None if hog is None else hog.pid,
               "load_before": load_before, "load_after": os.getloadavg(), "args": vars(args), "records": records}
     print(f"{args.preset}, {args.robot}, speech {args.tokens} tokens/frame, {args.rounds} rounds x {args.frames} "
           f"frames per block; load average before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
