@@ -75,6 +75,35 @@ def test_the_count_follows_the_others_load_after_two_agreeing_windows(tmp_path, 
     assert policy.update() == 2 and torch.get_num_threads() == 2 and policy.changes == 2
 
 
+def test_probe_cycles_move_the_count_to_the_faster_one_and_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(threads_mod.os, "sched_getaffinity", lambda _pid: {0, 1})
+    torch.set_num_threads(2)
+    machine = Machine(tmp_path / "stat")
+    policy = machine.policy()
+    seconds = {1: 0.10, 2: 0.20}            # two threads slower although both cores are free
+
+    def cycles(n):
+        used = []
+        for _ in range(n):
+            machine.tick(0.2, 0.0, 1.0)
+            count = policy.update()
+            assert torch.get_num_threads() == count
+            used.append(count)
+            policy.observe(seconds[count])
+            assert torch.get_num_threads() == policy.threads   # a probe lasts one cycle
+        return used
+
+    used = cycles(2 * threads_mod.PROBE_EVERY)
+    assert policy.target == 2 and used.count(1) == 2 and policy.threads == 1 and policy.changes == 1
+    assert used[:threads_mod.PROBE_EVERY - 1] == [2] * (threads_mod.PROBE_EVERY - 1)   # probes only now and then
+    seconds = {1: 0.20, 2: 0.10}            # now two threads pay: the probes at 2 bring it back
+    cycles(2 * threads_mod.PROBE_EVERY)
+    assert policy.threads == 2 and policy.changes == 2 and policy.probes == 4
+    seconds = {1: 0.195, 2: 0.20}           # within 10 %: no change
+    cycles(3 * threads_mod.PROBE_EVERY)
+    assert policy.threads == 2 and policy.changes == 2
+
+
 def test_a_fixed_setting_and_off_the_cpu_stay_put(tmp_path):
     machine = Machine(tmp_path / "stat")
     torch.set_num_threads(2)

@@ -13,7 +13,11 @@ processes leave free:
 * ``free = cpus − others' busy cores``; threads = ``floor(free + 1 − ``:data:`REQUIRED_FREE_SHARE```)``
   clamped to ``[1, usable cpus]``: a core counts when at least 75 % of it is free;
 * a new count is applied (``torch.set_num_threads``, process-wide) only after :data:`AGREEING_SAMPLES`
-  consecutive windows agree on it, so one burst of load does not flip it back and forth.
+  consecutive windows agree on it, so one burst of load does not flip it back and forth;
+* re-checked by the cycles' own times: every :data:`PROBE_EVERY` cycles one cycle runs at a neighbouring
+  count, and a count whose probes beat the recent cycles' action path by 10 % twice in a row becomes the
+  count (so two threads that the free cores would allow but that run slower, e.g. beside a load that comes
+  and goes faster than the windows, give way to one, and back).
 
 ``intra_op_threads: n >= 1`` fixes the count at ``n``. On a machine without ``/proc/stat`` (not Linux)
 the automatic setting keeps torch's count. Inductor writes the thread count in force at compile time into
@@ -26,7 +30,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import Callable
 
@@ -38,8 +44,14 @@ _LOG = logging.getLogger(__name__)
 MIN_WINDOW_S = 0.1
 # Share of a core that must be free for it to count as a thread's.
 REQUIRED_FREE_SHARE = 0.75
-# Consecutive windows that must agree on a new count before it is applied.
+# Consecutive windows (or winning probes) that must agree on a new count before it is applied.
 AGREEING_SAMPLES = 2
+# Cycles between probes of a neighbouring count; a probe wins below this share of the recent median.
+PROBE_EVERY = 20
+PROBE_GAIN = 0.9
+# Action-path times kept at the current count, and how many a probe needs to be compared with.
+RECENT_CYCLES = 8
+MIN_RECENT = 4
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)   # user nice system irq softirq steal (guest time is inside user)
 
 
@@ -76,6 +88,13 @@ def threads_for_free_cores(free: float, usable: int) -> int:
 class IntraOpThreads:
     """The engine's intra-op thread count (see the module docstring).
 
+    Two measurements set it when automatic: the free cores (``/proc/stat``, every window) bound it from
+    above, the *target*; the cycles' own times choose within that bound: every :data:`PROBE_EVERY`
+    cycles one cycle runs at a neighbouring count (one fewer, or one more when below the target), and
+    when :data:`AGREEING_SAMPLES` probes in a row of the same count took less than :data:`PROBE_GAIN` of the
+    median action-path time of the recent cycles at the current count, that count becomes the current one.
+    A new target resets the current count to it.
+
     Args:
         setting: ``intra_op_threads``: 0 = follow the machine, n >= 1 = exactly n.
         enabled: False (a model off the CPU) leaves torch's count alone.
@@ -83,9 +102,10 @@ class IntraOpThreads:
             seconds come from (tests give a file of their own).
 
     Attributes:
-        threads: the count in force (torch's, as set by this object).
+        threads: the count of a normal cycle (a probe cycle runs at another for that cycle only).
+        target: the count the free cores allow (the last applied measurement).
         others: the other processes' busy cores in the last window (None before one).
-        changes: how often the count was changed.
+        changes, probes: how often the count was changed, how many probe cycles ran.
 
     Raises:
         ValueError: ``setting`` < 0.
@@ -98,15 +118,19 @@ class IntraOpThreads:
         self.setting, self.enabled = setting, enabled
         self._stat_path, self._clock, self._own_cpu = stat_path, clock, own_cpu
         self.others: float | None = None
-        self.changes = 0
-        self._candidate: tuple[int, int] | None = None   # (count, windows that agreed)
+        self.changes = self.probes = 0
+        self._candidate: tuple[int, int] | None = None   # (target, windows that agreed)
+        self._times: deque[float] = deque(maxlen=RECENT_CYCLES)
+        self._probe: int | None = None                    # the count of the cycle running now, if a probe
+        self._wins: tuple[int, int] | None = None         # (probed count, probes in a row it won)
+        self._cycles = 0
         try:
             self.usable = len(os.sched_getaffinity(0))
         except AttributeError:   # not Linux
             self.usable = os.cpu_count() or 1
         if enabled and setting > 0:
             torch.set_num_threads(setting)
-        self.threads = torch.get_num_threads()
+        self.threads = self.target = torch.get_num_threads()
         self._last = self._sample()
 
     @property
@@ -119,35 +143,74 @@ class IntraOpThreads:
         return None if stat is None else (self._clock(), stat[0], self._own_cpu(), stat[1])
 
     def update(self) -> int:
-        """Close the window since the last sample (when at least :data:`MIN_WINDOW_S` long), measure the
-        others' load over it and apply a new count once :data:`AGREEING_SAMPLES` windows agree. Call it at
-        a cycle's start (and at the end of the engine's construction); it also sets torch's count back
-        to this engine's when something else in the process changed it. Returns the count in force."""
+        """At a cycle's start (and at the end of the engine's construction): close the window since the
+        last sample (when at least :data:`MIN_WINDOW_S` long), measure the others' load over it and apply a
+        new target once :data:`AGREEING_SAMPLES` windows agree; start a probe cycle when one is due. It also
+        sets torch's count back to this engine's when something else in the process changed it. Returns
+        the count this cycle runs with."""
         if not self.enabled:
-            return self.threads
-        if torch.get_num_threads() != self.threads:   # another engine of the process set its own
-            torch.set_num_threads(self.threads)
+            return torch.get_num_threads()
+        self._probe = None
+        if self.automatic:
+            self._measure()
+            self._cycles += 1
+            alternative = self._alternative()
+            if alternative is not None and self._cycles % PROBE_EVERY == 0 and len(self._times) >= MIN_RECENT:
+                self._probe = alternative
+                self.probes += 1
+        count = self.threads if self._probe is None else self._probe
+        if torch.get_num_threads() != count:
+            torch.set_num_threads(count)
+        return count
+
+    def observe(self, action_seconds: float) -> None:
+        """At a cycle's end: the seconds its action path (encode, prefill, denoise) took, at the count
+        :meth:`update` returned. A probe's time is compared with the recent cycles'; the others' are kept."""
         if not self.automatic:
-            return self.threads
+            return
+        if self._probe is None:
+            self._times.append(action_seconds)
+            return
+        probe, self._probe = self._probe, None
+        won = action_seconds < PROBE_GAIN * statistics.median(self._times)
+        agreed = (self._wins[1] + 1 if self._wins and self._wins[0] == probe else 1) if won else 0
+        self._wins = (probe, agreed) if won else None
+        if agreed >= AGREEING_SAMPLES:
+            _LOG.info("intra-op threads %d -> %d (probe cycles %.1f ms against %.1f ms)", self.threads, probe,
+                      1e3 * action_seconds, 1e3 * statistics.median(self._times))
+            self._set(probe)
+        torch.set_num_threads(self.threads)
+
+    def _alternative(self) -> int | None:
+        if self.threads > 1:
+            return self.threads - 1
+        return self.threads + 1 if self.threads < self.target else None
+
+    def _set(self, count: int) -> None:
+        if count != self.threads:
+            self.threads = count
+            self.changes += 1
+        self._times.clear()
+        self._wins = None
+
+    def _measure(self) -> None:
         now = self._sample()
         if now is None or self._last is None:
             self._last = now
-            return self.threads
+            return
         wall = now[0] - self._last[0]
         if wall < MIN_WINDOW_S:
-            return self.threads
+            return
         others = max(0.0, ((now[1] - self._last[1]) - (now[2] - self._last[2])) / wall)
         self.others, self._last = others, now
         target = threads_for_free_cores(now[3] - others, self.usable)
-        if target == self.threads:
+        if target == self.target:
             self._candidate = None
-            return self.threads
+            return
         agreed = self._candidate[1] + 1 if self._candidate and self._candidate[0] == target else 1
         self._candidate = (target, agreed)
         if agreed >= AGREEING_SAMPLES:
             _LOG.info("intra-op threads %d -> %d (other processes busy on %.2f of %d CPUs)", self.threads, target,
                       others, now[3])
-            torch.set_num_threads(target)
-            self.threads, self._candidate = target, None
-            self.changes += 1
-        return self.threads
+            self.target, self._candidate = target, None
+            self._set(target)
