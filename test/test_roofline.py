@@ -123,3 +123,14 @@ def test_bad_arguments_are_refused():
         roofline.main(["--rounds", "0"])
     with pytest.raises(SystemExit):
         roofline.main(["--stream-mib", "-1"])
+
+
+@pytest.mark.slow
+def test_the_bench_compares_the_compiled_denoising_step(capsys):
+    result = roofline.main(["--cameras", "1", "--prompt-len", "4", "--num-denoise-steps", "2", "--batch", "2", "--rounds", "1",
+                            "--gemm-n", "64", "--stream-mib", "1", "--compiled"])
+    names = [r["phase"] for r in result["phases"]]
+    assert names == ["vision", "prefill", "denoise", "denoise [compiled]", "decode x1", "decode x2", "frame",
+                     "frame [compiled]"]
+    assert list(result["compile_seconds"]) == ["batch 1, horizon 10"]
+    assert "denoising step compiled for batch 1, horizon 10" in capsys.readouterr().out

@@ -25,7 +25,9 @@ Phases (the engine's per-frame work at N language requests, k = 1):
 
 ``--compare``: every phase also runs with the fast paths added for these figures switched off
 (:func:`earlier_paths`: Q/K/V and gate/up as separate products, every forward on all threads), as
-``<phase> [before]`` rows interleaved with the others in the same rounds.
+``<phase> [before]`` rows interleaved with the others in the same rounds. ``--compiled``: the denoising loop
+and the frame also run with the denoising step compiled (:mod:`oxygen_ros.models.cpu_compile`), as
+``denoise [compiled]`` / ``frame [compiled]`` rows in the same rounds; the compile runs before them.
 
 Every measurement is a median over ``--rounds`` rounds after one warm-up round; in each round the
 ceilings and every phase take one turn, so load from other processes slows them alike and the
@@ -280,9 +282,12 @@ def _machine() -> dict[str, object]:
             "torch": torch.__version__, "python": platform.python_version()}
 
 
-def build_phases(preset: str | VLAConfig, cameras: int, prompt_len: int, steps: int, batch: int
-                 ) -> dict[str, Callable[[], object]]:
-    """Random-weight fp32 CPU model and inputs; a callable per phase of :func:`count_phases`."""
+def build_phases(preset: str | VLAConfig, cameras: int, prompt_len: int, steps: int, batch: int,
+                 compiled: bool = False) -> dict[str, Callable[[], object]]:
+    """Random-weight fp32 CPU model and inputs; a callable per phase of :func:`count_phases`, and with
+    ``compiled`` also ``denoise [compiled]`` and ``frame [compiled]``: the same with the denoising step
+    compiled (:meth:`oxygen_ros.models.vla.VLAModel.enable_cpu_compile`; compiled here, before any
+    timing, and switched off for the other phases)."""
     model = load_model(preset, dtype="float32", device="cpu")
     c, dev = model.config, model.device
     gen = torch.Generator().manual_seed(0)
@@ -324,8 +329,26 @@ def build_phases(preset: str | VLAConfig, cameras: int, prompt_len: int, steps: 
         denoise(prefill(x, n))
         return decode_batch()
 
-    return {"vision": vision, "prefill": prefill, "denoise": denoise, "decode x1": decode_one,
-            f"decode x{batch}": decode_batch, "frame": frame}
+    fns = {"vision": vision, "prefill": prefill, "denoise": denoise, "decode x1": decode_one,
+           f"decode x{batch}": decode_batch, "frame": frame}
+    if compiled:
+        model.enable_cpu_compile(True)
+        denoise()   # the compile, outside the timed rounds
+        compiled_step, model._cpu_compile = model._cpu_compile, None
+
+        def with_compiled(fn: Callable[[], object]) -> Callable[[], object]:
+            def run_compiled():
+                model._cpu_compile = compiled_step
+                try:
+                    return fn()
+                finally:
+                    model._cpu_compile = None
+            return run_compiled
+
+        fns["denoise [compiled]"] = with_compiled(denoise)
+        fns["frame [compiled]"] = with_compiled(frame)
+        fns["compile seconds"] = compiled_step.compile_seconds
+    return fns
 
 
 @contextlib.contextmanager
@@ -370,21 +393,22 @@ def measure(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, floa
 
 
 def run(preset: str, cameras: int, prompt_len: int, steps: int, batch: int, rounds: int, gemm_n: int,
-        stream_mib: float, torch_kernels: bool = False, compare: bool = False) -> dict:
+        stream_mib: float, torch_kernels: bool = False, compare: bool = False, compiled: bool = False) -> dict:
     """Ceilings and phases measured interleaved; the result dict that :func:`format_table` prints
     and ``--out`` stores. Rates in FLOP/s and B/s, times in seconds."""
     config = get_preset(preset)
     load_before = os.getloadavg()
     with cpu_kernel_choice(torch_kernels):
         paths = cpu_kernels("cpu", config, torch_kernels)
-        phases = build_phases(preset, cameras, prompt_len, steps, batch)
+        phases = build_phases(preset, cameras, prompt_len, steps, batch, compiled)
+        compile_seconds = phases.pop("compile seconds", {})
         gemms = gemm_ceiling_fns(gemm_n)
         streams = stream_ceiling_fns(stream_mib)
         fns = {**{f"ceiling gemm {k}": v[0] for k, v in gemms.items()},
                **{f"ceiling {k}": v[0] for k, v in streams.items()}}
         for name, fn in phases.items():
             fns[name] = fn
-            if compare:
+            if compare and not name.endswith("[compiled]"):
                 fns[f"{name} [before]"] = _before(fn)
         times = measure(fns, rounds)
     gemm_rates = {k: v[1] / times[f"ceiling gemm {k}"] for k, v in gemms.items()}
@@ -394,7 +418,8 @@ def run(preset: str, cameras: int, prompt_len: int, steps: int, batch: int, roun
     balance = gemm_rate / stream_rate
     rows = []
     for count, label in ((count, label) for count in count_phases(config, cameras, prompt_len, steps, batch)
-                         for label in ((count.name, f"{count.name} [before]") if compare else (count.name,))):
+                         for label in (count.name, f"{count.name} [before]", f"{count.name} [compiled]")
+                         if label in times):
         seconds = times[label]
         flops, bps = count.flop / seconds, count.bytes / seconds
         compute_bound = count.intensity >= balance
@@ -410,6 +435,7 @@ def run(preset: str, cameras: int, prompt_len: int, steps: int, batch: int, roun
             "prefix": cameras * config.num_image_tokens + prompt_len, "steps": steps, "batch": batch,
             "rounds": rounds, "paths": paths, "native_variant": native.active_variant() if not torch_kernels else None,
             "machine": _machine(), "load_before": load_before, "load_after": os.getloadavg(),
+            "compile_seconds": {f"batch {b}, horizon {h}": t for (b, h), t in compile_seconds.items()},
             "ceilings": {"gemm_n": gemm_n, "gemm_flop_per_s": gemm_rate, "gemm_flop_per_s_by_route": gemm_rates,
                          "stream_mib": stream_mib,
                          "stream_bytes_per_s": stream_rates, "balance_flop_per_byte": balance},
@@ -425,7 +451,8 @@ def format_table(result: dict) -> str:
         f"ATen {m['aten_capability']}{', env ' + str(m['isa_env']) if m['isa_env'] else ''}, torch {m['torch']}",
         f"load average (1/5/15 min) before {load(result['load_before'])}, after {load(result['load_after'])}",
         f"{result['preset']} fp32, {result['cameras']} cameras, prefix {result['prefix']} tokens, S={result['steps']}, "
-        f"batch {result['batch']}, {result['rounds']} rounds; {result['paths']}",
+        f"batch {result['batch']}, {result['rounds']} rounds; {result['paths']}"
+        + "".join(f"; denoising step compiled for {k} in {v:.1f} s" for k, v in result.get("compile_seconds", {}).items()),
         f"ceilings: GEMM {ceil['gemm_flop_per_s'] / 1e9:.1f} GFLOP/s (n={ceil['gemm_n']}, the faster of "
         + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in ceil["gemm_flop_per_s_by_route"].items())
         + "), stream "
@@ -457,6 +484,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="no native decode attention and no oneDNN-packed weights (plain torch / MKL)")
     parser.add_argument("--compare", action="store_true",
                         help="also run every phase without the fused projections and the one-thread rule")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also run the denoising loop and the frame with the denoising step compiled "
+                             "(torch.compile; the engine's cpu_compile), interleaved with the eager ones")
     parser.add_argument("--out", default=None, help="also write the result as JSON here")
     args = parser.parse_args(argv)
     if min(args.cameras, args.prompt_len, args.num_denoise_steps, args.batch, args.rounds, args.gemm_n) < 1 \
@@ -467,7 +497,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     result = run(args.preset, args.cameras, args.prompt_len, args.num_denoise_steps, args.batch, args.rounds, args.gemm_n,
-                 args.stream_mib, args.torch_kernels, args.compare)
+                 args.stream_mib, args.torch_kernels, args.compare, args.compiled)
     print(format_table(result))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -445,6 +445,18 @@ class EngineConfig:
                              "decode step from CUDA graphs (captured on first use of each batch and length "
                              "bucket; false = eager PyTorch); ignored on the CPU",
                              when=STRUCTURAL)
+    intra_op_threads: int = knob(0, "torch intra-op CPU threads for inference: 0 = the cores other processes "
+                                 "leave free (measured from /proc/stat over the engine's construction and over "
+                                 "every control cycle, a change applied after two windows agree), re-checked by "
+                                 "the cycle times (every 20th cycle runs at a neighbouring count; two probes 10 % "
+                                 "faster in a row switch to it; oxygen_ros/engine/threads.py); n = exactly n; "
+                                 "process-wide; ignored off the CPU",
+                                 low=0, high=1024, when=STRUCTURAL)
+    cpu_compile: bool = knob(False, "on the CPU in fp32, run each Euler step of the denoising loop as a graph "
+                             "compiled by torch.compile (inductor, cached on disk in ~/.cache/oxygen_ros/inductor; "
+                             "docs/models.md): compiled at engine construction for one robot's batch (8-25 s on "
+                             "2 cores) and at the first denoise of another batch size; the loop then runs "
+                             "1.8-2.4x faster (pi05_tiny, pi05_demo); ignored elsewhere", when=STRUCTURAL)
 
     def __post_init__(self) -> None:
         _validate(self, "engine.")

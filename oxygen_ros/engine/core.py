@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from typing import Hashable
 
+import torch
+
 from oxygen_ros.engine.block_pool import BlockPool
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.kv_cache_manager import KVCacheManager
@@ -20,6 +22,7 @@ from oxygen_ros.engine.model_io import ModelIO
 from oxygen_ros.engine.model_runner import ModelRunner, RunnerModel
 from oxygen_ros.engine.prefix_cache import PrefixPlanner
 from oxygen_ros.engine.scheduler import Scheduler, StepCostEstimator
+from oxygen_ros.engine.threads import IntraOpThreads
 
 
 class EngineCore:
@@ -28,27 +31,32 @@ class EngineCore:
     Args:
         model: the VLA (:class:`~oxygen_ros.engine.model_runner.RunnerModel`).
         processor: the runner's default pre/post-processing (a fleet's robots bring their own).
-        config: the pool (``kv_budget_mb``, ``block_size``), ``cuda_graphs`` and the step-cost
-            estimator's ``step_cost_quantile`` / ``step_cost_window``.
+        config: the pool (``kv_budget_mb``, ``block_size``), ``cuda_graphs``, ``cpu_compile``,
+            ``intra_op_threads`` and the step-cost estimator's ``step_cost_quantile`` / ``step_cost_window``.
 
     Attributes:
         pool, manager, runner, planner, estimator: the KV pool and its manager, the model runner,
             the cycle's prefix planner (one tree for every robot: their keys carry the robot id),
             the online step-cost estimate.
+        threads: the intra-op thread count (:class:`~oxygen_ros.engine.threads.IntraOpThreads`), updated at
+            every cycle's start.
         lock: held while any robot's cycle, flush or close runs.
     """
 
     def __init__(self, model: RunnerModel, processor: ModelIO | None, config: EngineConfig):
         cfg = model.config
+        # Sampled first, so that a long construction (a model's compile) is the first window measured.
+        self.threads = IntraOpThreads(config.intra_op_threads, enabled=torch.device(model.device).type == "cpu")
         self.pool = BlockPool(cfg.vlm_num_layers, cfg.num_kv_heads, cfg.head_dim,
                               config.block_size, config.kv_budget_bytes, dtype=model.dtype,
                               device=model.device)
         self.manager = KVCacheManager(self.pool)
-        self.runner = ModelRunner(model, processor, self.manager, config.cuda_graphs)
+        self.runner = ModelRunner(model, processor, self.manager, config.cuda_graphs, config.cpu_compile)
         self.planner = PrefixPlanner(self.manager, self.runner, cfg.prompt_mask)
         self.estimator = StepCostEstimator(config.step_cost_quantile, config.step_cost_window)
         self.lock = threading.Lock()
         self._shares: dict[Hashable, int] = {}
+        self.threads.update()
 
     @property
     def unassigned_blocks(self) -> int:

@@ -115,6 +115,7 @@ class ControlLoop:
         Raises what the model or ``on_action`` raised; the submissions the cycle took then end as
         ``dropped``.
         """
+        self.core.threads.update()
         t0 = time.perf_counter()
         meter = self.meter()
         for robot in self.robots.values():
@@ -134,6 +135,7 @@ class ControlLoop:
             if not frames:
                 return result
             chunks, features = self._act(frames, t0, meter, on_action)
+            self.core.threads.observe(time.perf_counter() - t0)
             for robot_id, frame in frames.items():
                 self._enqueue(self.robots[robot_id], frame, features[robot_id])
             overloaded = self._language(min(deadlines[r] for r in frames), meter, deadlines)

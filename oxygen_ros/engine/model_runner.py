@@ -38,7 +38,8 @@ class ModelShape(Protocol):
 class RunnerModel(Protocol):
     """What the runner (and the engine) call on a π0.5 / π0 model (``oxygen_ros/models/vla.py``).
 
-    Optional: ``enable_cuda_graphs(enabled)`` with ``cuda_graphs`` (None when off), and
+    Optional: ``enable_cuda_graphs(enabled)`` with ``cuda_graphs`` (None when off),
+    ``enable_cpu_compile(enabled)`` with ``cpu_compile`` (None when off) and ``warm_cpu_compile()``, and
     ``prepare_cpu_kernels()``; the runner uses them when the model has them.
     """
 
@@ -103,9 +104,12 @@ class ModelRunner:
         manager: KV-cache manager of the engine's pool.
         cuda_graphs: on a CUDA device, switch the model's CUDA graphs on (True) or off (False) if
             it has them; the setting belongs to the model, so it holds for every runner that shares it.
+        cpu_compile: on the CPU, switch the model's compiled denoising step on (True) or off (False) if it
+            has one, and compile it now for a batch of one (a model setting too).
     """
 
-    def __init__(self, model: RunnerModel, io: ModelIO, manager: KVCacheManager, cuda_graphs: bool = True):
+    def __init__(self, model: RunnerModel, io: ModelIO, manager: KVCacheManager, cuda_graphs: bool = True,
+                 cpu_compile: bool = False):
         self.model = model
         self.io = io
         self.manager = manager
@@ -118,6 +122,12 @@ class ModelRunner:
         # engine construction, rather than inside the first control cycle that decodes.
         if self.device.type == "cpu" and hasattr(model, "prepare_cpu_kernels"):
             model.prepare_cpu_kernels()
+        # Likewise the compiled denoising step: compiled here for one robot's denoise, not in a cycle.
+        if self.device.type == "cpu" and hasattr(model, "enable_cpu_compile"):
+            if cpu_compile != (model.cpu_compile is not None):
+                model.enable_cpu_compile(cpu_compile)
+            if cpu_compile:
+                model.warm_cpu_compile()
 
     @torch.inference_mode()
     def encode(self, images: Sequence[np.ndarray], io: ModelIO | None = None) -> torch.Tensor:

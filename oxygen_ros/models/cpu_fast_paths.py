@@ -113,6 +113,8 @@ class Linear(nn.Linear):
     _packed: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():   # the compiler picks (and packs for) its own product
+            return F.linear(x, self.weight, self.bias)
         rows = x.numel() // max(1, x.shape[-1])
         if rows >= PACKED_MIN_ROWS and self._packable(x):
             packed = self._packed_weight()
@@ -176,6 +178,11 @@ class LinearGroup:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each layer's output for ``x [..., in]``: ``[..., out_i]`` (views of one product when fused)."""
+        if torch.compiler.is_compiling():
+            # Traced by torch.compile: one product with the concatenated weight, which the compiler's
+            # constant folding (freezing) computes once.
+            weight = torch.cat([layer.weight for layer in self.layers])
+            return list(F.linear(x, weight).split(self.sizes, dim=-1))
         if not (_FUSING["enabled"] and torch.is_inference_mode_enabled() and x.device.type == "cpu"):
             return [layer(x) for layer in self.layers]
         rows = x.numel() // max(1, x.shape[-1])
@@ -339,7 +346,7 @@ def _native_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: i
     ``torch.inference_mode`` (the models' inference entry points; the kernel has no backward and no
     forward-mode derivative, and inference mode records neither), fp32 on a CPU the kernel
     supports (see :func:`native_attention_supports`), K/V with a contiguous last dim."""
-    return (torch.is_inference_mode_enabled() and q.device.type == "cpu"
+    return (not torch.compiler.is_compiling() and torch.is_inference_mode_enabled() and q.device.type == "cpu"
             and q.dtype == k.dtype == v.dtype == torch.float32 and k.stride(-1) == 1 and v.stride(-1) == 1
             and native_attention_supports(q.shape[-1], queries))
 

@@ -199,7 +199,10 @@ class AttentionMask:
     def all_visible(self) -> bool:
         """True when every query may attend to every key (checked once), so :func:`attention` can
         run SDPA without a mask. On the CPU only: elsewhere False without looking, as the check
-        would synchronise with the device (and cannot run inside a CUDA graph capture)."""
+        would synchronise with the device (and cannot run inside a CUDA graph capture); False under
+        ``torch.compile`` too (a data-dependent branch)."""
+        if torch.compiler.is_compiling():   # a data-dependent branch: the compiled graph keeps the mask
+            return False
         if self._all_visible is None:
             self._all_visible = self.mask.device.type == "cpu" and bool(self.mask.all())
         return self._all_visible

@@ -23,6 +23,7 @@ masked prefix and the suffix with openpi's block masks) is :mod:`oxygen_ros.mode
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from torch import nn
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from .config import VLAConfig
+from .cpu_compile import CompiledVelocity
 from .cuda_graphs import BACKENDS, GraphCache, batch_bucket, round_up
 from .gemma import (AdaRMSNorm, AttentionMask, GemmaStack, RMSNorm, apply_rope, attention, rope_cos_sin,
                     rope_inverse_frequencies)
@@ -134,6 +136,7 @@ class VLAModel(nn.Module):
         self._prefix_bucket = 64
         # Keep the fp32 copy of a bf16 LM head between decode steps (_lm_logits): None = on CUDA only.
         self.keep_lm_head_fp32: bool | None = None
+        self._cpu_compile = None
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -206,6 +209,59 @@ class VLAModel(nn.Module):
             raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
         self._graphs = GraphCache(max_graphs, backend) if enabled else None
         self._prefix_bucket = prefix_bucket
+
+    def enable_cpu_compile(self, enabled: bool = True) -> None:
+        """Run each Euler step of :meth:`denoise` on the CPU (fp32, unguided) as a graph compiled by
+        ``torch.compile`` (:mod:`oxygen_ros.models.cpu_compile`): compiled on the first call of each
+        batch size and horizon (any prefix length), then replayed. Results equal the eager path's up
+        to fp32 summation order. No effect on other devices or dtypes.
+
+        Args:
+            enabled: False drops the compiled graph and runs eagerly.
+
+        Raises:
+            ValueError: ``enabled`` not a bool.
+        """
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enabled must be True or False, got {enabled!r}")
+        self._cpu_compile = CompiledVelocity() if enabled else None
+
+    @property
+    def cpu_compile(self) -> CompiledVelocity | None:
+        """The compiled denoising step's bookkeeping (compile seconds per shape, a failure) when
+        enabled, else None."""
+        return self._cpu_compile
+
+    @torch.inference_mode()
+    def warm_cpu_compile(self, batch: int = 1, horizon: int | None = None, prefix_len: int = 64) -> float:
+        """Compile the denoising step for ``batch`` x ``horizon`` now (a denoise of one step over a
+        zero prefix of ``prefix_len`` tokens), instead of at the first control cycle; a no-op when
+        :meth:`enable_cpu_compile` is off or the model is not fp32 on the CPU.
+
+        Returns:
+            seconds it took (0.0 when a no-op or already compiled).
+
+        Raises:
+            ValueError: ``batch``, ``horizon`` or ``prefix_len`` below 1.
+        """
+        c = self.config
+        horizon = c.action_horizon if horizon is None else horizon
+        if min(batch, horizon, prefix_len) < 1:
+            raise ValueError(f"batch, horizon and prefix_len must be >= 1, got {batch}, {horizon}, {prefix_len}")
+        compiled = self._cpu_compile
+        if compiled is None or self.device.type != "cpu" or self.dtype != torch.float32 \
+                or (batch, horizon) in compiled.compile_seconds:
+            return 0.0
+        start = time.perf_counter()
+        kv = [torch.zeros(batch, prefix_len, c.num_kv_heads, c.head_dim, dtype=self.dtype)
+              for _ in range(c.vlm_num_layers)]
+        valid = torch.ones(batch, prefix_len, dtype=torch.bool)
+        lens = torch.full((batch,), prefix_len, dtype=torch.long)
+        noise = torch.zeros(batch, horizon, c.action_dim)
+        state = torch.zeros(batch, c.action_dim, dtype=self.dtype) if c.variant == "pi0" else None
+        with cpu_fast_paths.threads_for(batch * horizon, self.device):
+            self._denoise_loop(kv, list(kv), valid, lens, noise, 1, state)
+        return time.perf_counter() - start
 
     @property
     def cuda_graphs(self) -> GraphCache | None:
@@ -673,16 +729,15 @@ class VLAModel(nn.Module):
         positions = cached_lens[:, None] + offset + torch.arange(horizon, device=self.device)[None, :]
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.dtype)
         conditioning = self._time_conditioning(times)
+        velocity_fn = self._velocity
+        if guidance is None and self._cpu_compile is not None and self.device.type == "cpu" \
+                and self.dtype == torch.float32:
+            velocity_fn = self._cpu_compile.velocity(self)
+        # Eager: the mask wrapper, so that its layouts are built once per denoise; compiled: the tensor.
+        step_mask = mask if velocity_fn == self._velocity else mask.mask
+
         def velocity_of(x: torch.Tensor, step: int) -> torch.Tensor:
-            tokens = self._action_tokens(x, conditioning, step)
-            for i, layer in enumerate(self.expert.layers):
-                mod_in, mod_post = self._layer_modulation(conditioning, i, step)
-                q, k, v, gate = layer.project_qkv(tokens, mod_in)
-                keys[i][:, prefix_len:] = apply_rope(k, cos, sin)
-                values[i][:, prefix_len:] = v
-                attn = attention(apply_rope(q, cos, sin), keys[i], values[i], mask)
-                tokens = layer.finish(tokens, attn, gate, mod_post)
-            return self.action_out_proj(self.expert.norm(tokens, self._final_modulation(conditioning, step))[0])
+            return velocity_fn(x, self._step_conditioning(conditioning, step), keys, values, step_mask, cos, sin)
 
         x = noise
         for step in range(steps):
@@ -692,6 +747,46 @@ class VLAModel(nn.Module):
                 velocity = guided_velocity(lambda x_t: velocity_of(x_t, step), x, 1.0 + dt * step, guidance)
             x = x + dt * velocity.float()
         return x
+
+    def _step_conditioning(self, conditioning: dict[str, object], step: int) -> dict[str, object]:
+        """The tensors of :meth:`_time_conditioning` for Euler step ``step`` only (what one velocity needs)."""
+        if "time_emb" in conditioning:
+            return {"time_emb": conditioning["time_emb"][step]}
+        return {"layers": [(mod_in[step], mod_post[step]) for mod_in, mod_post in conditioning["layers"]],
+                "final": conditioning["final"][step]}
+
+    def _velocity(self, x: torch.Tensor, cond: dict[str, object], keys: list[torch.Tensor],
+                  values: list[torch.Tensor], mask: torch.Tensor | AttentionMask, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+        """One Euler step's velocity ``v(x, t)``: the action expert over the action tokens of ``x``
+        (fp32 ``[B, H, action_dim]``) attending to the prefix K/V.
+
+        Args:
+            cond: :meth:`_step_conditioning` of the step.
+            keys, values: per layer ``[B, P + H, kv_heads, head_dim]``, the P prefix tokens' K/V, then room
+                for the action tokens' (written here).
+            mask: bool ``[B, H, P + H]`` (or its :class:`AttentionMask`).
+            cos, sin: the action tokens' RoPE tables ``[B, H, 1, head_dim]``.
+
+        Returns:
+            ``[B, H, action_dim]`` in the model dtype. Pure tensor code of fixed shapes (no host
+            synchronisation), so that it can be captured (CUDA graphs) or compiled (:mod:`.cpu_compile`).
+        """
+        attention_mask = mask if isinstance(mask, AttentionMask) else AttentionMask(mask)
+        prefix_len = keys[0].shape[1] - x.shape[1]
+        tokens = self.action_in_proj(x.to(self.dtype))
+        if "time_emb" in cond:
+            emb = cond["time_emb"].expand_as(tokens)
+            tokens = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat((tokens, emb), dim=-1))))
+        layer_mods = cond.get("layers")
+        for i, layer in enumerate(self.expert.layers):
+            mod_in, mod_post = (None, None) if layer_mods is None else layer_mods[i]
+            q, k, v, gate = layer.project_qkv(tokens, mod_in)
+            keys[i][:, prefix_len:] = apply_rope(k, cos, sin)
+            values[i][:, prefix_len:] = v
+            attn = attention(apply_rope(q, cos, sin), keys[i], values[i], attention_mask)
+            tokens = layer.finish(tokens, attn, gate, mod_post)
+        return self.action_out_proj(self.expert.norm(tokens, cond.get("final"))[0])
 
     def _check_state(self, state: torch.Tensor | None, batch: int) -> None:
         if self.config.variant == "pi0":

@@ -303,7 +303,9 @@ class FleetNode(Node):
     def _fleet_config(self, settings: NodeSettings) -> EngineConfig:
         values = {name: self.get_parameter(name).value for name in FLEET_PARAMETERS}
         return EngineConfig.from_dict({**values, "mode": "unified", "camera_slots": list(settings.engine.camera_slots),
-                                       "cuda_graphs": settings.engine.cuda_graphs})
+                                       "cuda_graphs": settings.engine.cuda_graphs,
+                                       "cpu_compile": settings.engine.cpu_compile,
+                                       "intra_op_threads": settings.engine.intra_op_threads})
 
     def _engine_for(self, robot: str, settings: NodeSettings) -> RobotClient:
         """A robot node's engine (its configure step): a client of the fleet, the model loaded with the first.

@@ -5,8 +5,8 @@ Two sources, one pattern (a :class:`~oxygen_ros.engine.config.Knob` per setting:
 or choices, when a change applies):
 
 * the engine's own configuration: the fields of :class:`~oxygen_ros.engine.config.EngineConfig` are the
-  parameters ``engine.<field>`` (``cuda_graphs`` sits with the model's parameters), the action task's
-  fields are top-level (``control_rate_hz``, ``num_denoise_steps``, ``noise_seed``), and the fields of
+  parameters ``engine.<field>`` (``cuda_graphs`` and ``cpu_compile`` sit with the model's parameters), the
+  action task's fields are top-level (``control_rate_hz``, ``num_denoise_steps``, ``noise_seed``), and the fields of
   :class:`~oxygen_ros.engine.config.TaskConfig` are ``speech.<field>`` and ``memory.<field>`` (nested
   configurations as ``speech.trigger.every_s``) with ``speech.enabled`` / ``memory.enabled`` (and the node-only
   ``speech.publish_on_change``). The same
@@ -240,8 +240,8 @@ LANGUAGE_TASKS: dict[str, dict[str, Any]] = {
     "memory": {"kind": "memory", "outputs": "~/memory", "max_new_tokens": 8, "trigger": {"every_s": 2.0}},
 }
 # Engine fields placed elsewhere than ``engine.<field>``: the action task's at the top level (the node's
-# control rate), cuda_graphs with the model's settings.
-_PLACED = {("cuda_graphs",): "cuda_graphs"}
+# control rate), cuda_graphs and cpu_compile with the model's settings.
+_PLACED = {("cuda_graphs",): "cuda_graphs", ("cpu_compile",): "cpu_compile"}
 
 
 # The time between a chunk's actions when neither the parameter action_dt_s nor the family gives one [s].
@@ -805,8 +805,8 @@ def markdown() -> str:
         "",
         "One name per setting: the engine's configuration fields (`oxygen_ros/engine/config.py`) are the",
         "parameters `engine.<field>`; the action task's fields are top-level (`control_rate_hz`,",
-        "`num_denoise_steps`, `noise_seed`) and `cuda_graphs` sits with the model; a language task's fields",
-        "are `speech.<field>` / `memory.<field>` (a nested field as `speech.trigger.every_s`). The engine YAML",
+        "`num_denoise_steps`, `noise_seed`) and `cuda_graphs` and `cpu_compile` sit with the model; a language",
+        "task's fields are `speech.<field>` / `memory.<field>` (a nested field as `speech.trigger.every_s`). The engine YAML",
         "(`EngineConfig.from_yaml`) and the benchmark flags (`--kv-budget-mb`, `--action-horizon`, ...) use",
         "the same names and units.",
         "",

@@ -1,0 +1,101 @@
+"""The denoising loop's Euler step compiled for the CPU by ``torch.compile`` (inductor's C++ code generation).
+
+The denoising loop runs the action expert over a few action tokens ten times per chunk: hundreds of
+small tensor ops per step, each a dispatch of microseconds, for products of 10-50 rows. Eager PyTorch
+spends most of that time between the arithmetic. ``torch.compile`` of one step's velocity
+(:meth:`oxygen_ros.models.vla.VLAModel._velocity`) with inductor's weight freezing fuses the
+elementwise ops (norms, RoPE, GELU, gated residuals, the mask) into a few generated C++ loops called from a C++
+wrapper, and folds the concatenated Q/K/V and gate/up weights once; the products stay MKL's and the
+attention ATen's flash kernel (figures: docs/benchmarks.md, "Compiled denoising steps").
+
+One graph serves every prefix length: the prefix dimension is marked dynamic, so a new prompt length
+does not recompile; a new batch size or horizon does (a few seconds with inductor's on-disk cache
+warm, 10-25 s cold on 2 cores). The compile runs on the first call of a shape, so
+:meth:`oxygen_ros.models.vla.VLAModel.warm_cpu_compile` lets the engine do it at construction,
+outside the control loop. Inductor's cache lives in ``TORCHINDUCTOR_CACHE_DIR``, by default set here to
+``~/.cache/oxygen_ros/inductor`` (:data:`DEFAULT_CACHE_DIR`; an existing setting is kept).
+
+Thread count: inductor writes the intra-op thread count in force at compile time into its generated
+loops, so a shape is compiled under the same :func:`oxygen_ros.models.cpu_fast_paths.threads_for` rule
+that runs it. If a compile fails (no C++ compiler, an unsupported op), the failure is logged once and
+the model runs that step eagerly from then on: same numbers up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+_LOG = logging.getLogger(__name__)
+
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "oxygen_ros" / "inductor"
+# torch.compile's recompile limit per function is process-wide (8 by default); every model instance and
+# batch size / horizon is one compile of the same function, so a process holding several models needs
+# more before dynamo falls back to eager for good.
+RECOMPILE_LIMIT = 64
+# Inductor options: weights frozen into the graph (constant folding of the concatenated Q/K/V and gate/up
+# weights) and a C++ wrapper around the generated kernels instead of a Python one (fewer microseconds per
+# call; measured 1.61x vs 1.49x over eager on pi05_tiny, interleaved, docs/benchmarks.md).
+_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+
+
+def cache_dir() -> Path:
+    """Where inductor keeps its compiled code: ``$TORCHINDUCTOR_CACHE_DIR``, set to
+    :data:`DEFAULT_CACHE_DIR` by :class:`CompiledVelocity` when unset."""
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or DEFAULT_CACHE_DIR)
+
+
+class CompiledVelocity:
+    """A model's compiled Euler-step velocity and its bookkeeping.
+
+    Attributes:
+        compile_seconds: per shape ``(batch, horizon)``, the seconds of its first call (the compile).
+        failed: the error text when a compile failed (the model then runs eagerly), else None.
+    """
+
+    def __init__(self) -> None:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(DEFAULT_CACHE_DIR))
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+        self._compiled: Callable | None = None
+        self.compile_seconds: dict[tuple[int, int], float] = {}
+        self.failed: str | None = None
+
+    def velocity(self, model) -> Callable:
+        """A callable with :meth:`oxygen_ros.models.vla.VLAModel._velocity`'s signature and results that
+        runs the compiled graph (``model._velocity`` itself after a failed compile)."""
+        if self.failed is not None:
+            return model._velocity
+
+        def call(x, cond, keys, values, mask, cos, sin):
+            # The prefix length may change from call to call: one graph for all of them.
+            for tensor in (*keys, *values):
+                torch._dynamo.mark_dynamic(tensor, 1)
+            torch._dynamo.mark_dynamic(mask, 2)
+            if torch.is_inference_mode_enabled() and not x.is_inference():
+                # The noise of the first step comes from outside inference mode, the later steps' x
+                # from inside: one kind of tensor, so that both take the same graph.
+                x = x.clone()
+            shape = (x.shape[0], x.shape[1])
+            if shape in self.compile_seconds:
+                return self._compiled(x, cond, keys, values, mask, cos, sin)
+            start = time.perf_counter()
+            try:
+                if self._compiled is None:
+                    self._compiled = torch.compile(model._velocity, dynamic=False, fullgraph=True, options=_OPTIONS)
+                out = self._compiled(x, cond, keys, values, mask, cos, sin)
+            except Exception as error:  # noqa: BLE001 - any compiler failure: log once, run eagerly
+                self.failed = f"{type(error).__name__}: {error}".splitlines()[0]
+                _LOG.warning("compiling the denoising step failed, running it eagerly: %s", self.failed)
+                return model._velocity(x, cond, keys, values, mask, cos, sin)
+            self.compile_seconds[shape] = time.perf_counter() - start
+            _LOG.info("compiled the denoising step for batch %d, horizon %d in %.1f s (cache %s)",
+                      shape[0], shape[1], self.compile_seconds[shape], cache_dir())
+            return out
+
+        return call
