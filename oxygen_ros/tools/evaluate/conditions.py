@@ -129,7 +129,10 @@ def node_parameters(condition: str, args, checkpoint: str) -> dict:
             "speech.trigger.every_n_frames": args.language_every, "speech.trigger.every_s": 0.0,
             "memory.trigger.every_n_frames": args.language_every, "memory.trigger.every_s": 0.0,
             "engine.scheduling": "fixed_k", "engine.decode_steps_per_cycle": tokens,
-            "speech.max_wait_s": 1e6, "memory.max_wait_s": 1e6})
+            "speech.max_wait_s": 1e6, "memory.max_wait_s": 1e6,
+            # A fixed thread count: the automatic one follows the machine's load, and a float32 sum over another
+            # number of threads differs in its last bits, so two lockstep runs of a seed would not be identical.
+            "engine.intra_op_threads": 2})
     from oxygen_ros.node.parameters import overrides
 
     params.update(overrides(args.param))
