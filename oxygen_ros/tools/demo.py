@@ -66,9 +66,17 @@ from oxygen_ros.tools.bag_recorder import BagRecorder, default_run_dir  # noqa: 
 from oxygen_ros.tools.child_process import start_child, stop_child  # noqa: E402
 
 NODE_NAME = "oxygen_node"
+ACTION_DT_S = 0.02            # ALOHA's 50 Hz control: the time between a chunk's actions [s]
 DEFAULT_SEED = 1000           # the cube's start pose: the first evaluation seed (the training data used 0..99)
 RANDOM_WEIGHTS = {"preset": "pi05_tiny", "checkpoint": "", "instruction": "pick up the red cube",
                   "language_prompt": "shared", "control_rate": 3.0, "speech_every": 3.0}
+
+
+def demo_rtc_parameters(args: argparse.Namespace, control_rate_hz: float) -> dict:
+    """The node's real-time chunking parameters at ``control_rate_hz``: the delay measured, guidance toward the
+    whole overlap with the chunk in flight (H − the 20 ms control steps between chunks)."""
+    return rtc_parameters(get_preset(args.preset).action_horizon,
+                          max(1, round(1.0 / (control_rate_hz * ACTION_DT_S))), None)
 
 
 def label_tokens(preset: str) -> int:
@@ -95,7 +103,7 @@ def node_parameters(args: argparse.Namespace) -> dict:
         "dtype": args.dtype,
         "joint_names": list(sim_robot.JOINTS), "action_dim": len(sim_robot.JOINTS),
         "action_names": list(sim_robot.JOINTS),
-        "action_dt_s": 0.02,   # ALOHA's 50 Hz control
+        "action_dt_s": ACTION_DT_S,
         "camera_topics": [f"/cameras/{camera}/image_raw" for camera in cameras],
         "camera_slots": list(cameras.values()),
         "camera_transports": ["raw"] * len(cameras),
@@ -127,8 +135,7 @@ def node_parameters(args: argparse.Namespace) -> dict:
         # Real-time chunking with the delay the node measures, guided toward the whole overlap with the chunk in
         # flight (docs/demo-policy.md, "Real-time chunking": on the shipped policy it transfers at least as often
         # as the newest chunk and halves the seams).
-        params.update(rtc_parameters(get_preset(args.preset).action_horizon,
-                                     max(1, round(1.0 / (args.control_rate * params["action_dt_s"]))), None))
+        params.update(demo_rtc_parameters(args, args.control_rate))
     params.update(overrides(args.param))
     return params
 
@@ -241,8 +248,7 @@ def calibrate_rate(args: argparse.Namespace, executor, oxygen, robot: subprocess
     if choice.chosen_hz < configured:
         changes = {"control_rate_hz": choice.chosen_hz}
         if args.rtc == "on":        # the guided overlap follows the steps between chunks at the new rate
-            changes.update(rtc_parameters(get_preset(args.preset).action_horizon,
-                                          max(1, round(1.0 / (choice.chosen_hz * 0.02))), None))
+            changes.update(demo_rtc_parameters(args, choice.chosen_hz))
         oxygen.reconfigure(changes)
         seqs = set()
     return choice, seqs

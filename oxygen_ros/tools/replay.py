@@ -97,13 +97,14 @@ class BagPlayer(Node):
         if rate <= 0:
             raise ValueError(f"rate must be positive, got {rate:g}")
         self.bag = Path(bag)
-        reader = open_bag(self.bag, project_typestore())
+        installed = project_typestore()
+        reader = open_bag(self.bag, installed)
         try:
             wanted = set(topics) if topics is not None else None
             chosen = [c for c in reader.connections if wanted is None or c.topic in wanted]
             self._classes, self.skipped = {}, {}
             # Messages of this package recorded with an earlier definition of their type are re-encoded.
-            installed, recorded = project_typestore(), getattr(reader, "typestore", None)
+            recorded = getattr(reader, "typestore", None)
             self.upgrades: dict[int, Upgrade] = {}
             for connection in chosen:
                 try:
