@@ -48,7 +48,7 @@ def test_speech_text_only_when_it_changes(harness):
 
     def say(*texts):
         for text in texts:
-            node._publish_speech_text(TextEvent(0, "speech", 0, 0.0, "", text, [], True,
+            node._language.publish_speech_text(TextEvent(0, "speech", 0, 0.0, "", text, [], True,
                                                 RequestStatus.COMPLETED))
 
     say("grasp the cube", " grasp the cube \n", "lift the cube", "lift the cube", "grasp the cube")
