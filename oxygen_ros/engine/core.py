@@ -38,8 +38,8 @@ class EngineCore:
         pool, manager, runner, planner, estimator: the KV pool and its manager, the model runner,
             the cycle's prefix planner (one tree for every robot: their keys carry the robot id),
             the online step-cost estimate.
-        threads: the intra-op thread count (:class:`~oxygen_ros.engine.threads.IntraOpThreads`), updated at
-            every cycle's start.
+        threads: the intra-op thread count (:class:`~oxygen_ros.engine.threads.IntraOpThreads`), chosen after
+            every cycle for the next.
         lock: held while any robot's cycle, flush or close runs.
     """
 

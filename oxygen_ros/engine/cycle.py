@@ -33,7 +33,7 @@ import torch
 
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.core import EngineCore
-from oxygen_ros.engine.inputs import Frame
+from oxygen_ros.engine.inputs import Frame, action_frame, observe
 from oxygen_ros.engine.meter import CycleMeter
 from oxygen_ros.engine.metrics import CycleRecord
 from oxygen_ros.engine.modes import ModePolicy
@@ -115,7 +115,7 @@ class ControlLoop:
         Raises what the model or ``on_action`` raised; the submissions the cycle took then end as
         ``dropped``.
         """
-        self.core.threads.update()
+        self.core.threads.apply()
         t0 = time.perf_counter()
         meter = self.meter()
         for robot in self.robots.values():
@@ -126,7 +126,7 @@ class ControlLoop:
             for robot_id in sorted(observations, key=lambda r: deadlines[r]):
                 robot, obs = self.robots[robot_id], observations[robot_id]
                 try:
-                    frames[robot_id] = self._observe(robot, obs, t0)
+                    frames[robot_id] = observe(robot, obs, t0)
                 except ValueError as error:
                     robot.inbox.abandon(obs, f"observation refused: {error}")
                     result.errors[robot_id] = error
@@ -145,6 +145,7 @@ class ControlLoop:
             raise
         finally:
             self.core.planner.tree.clear()
+            self.core.threads.update()      # the next cycle's count, off this cycle's action path
         end = time.perf_counter()
         self._report(meter, frames, chunks, deadlines, end - t0, end, overloaded, result)
         return result
@@ -160,7 +161,7 @@ class ControlLoop:
         peak = pool.peak_used_blocks
         meter = self.meter(StepCostEstimator(self.config.step_cost_quantile, 1))
         try:
-            frames = {robot_id: self._action_frame(self.robots[robot_id], obs)
+            frames = {robot_id: action_frame(self.robots[robot_id], obs)
                       for robot_id, obs in observations.items()}
             self._act(frames, t0, meter, on_action, realtime=False)
         finally:
@@ -191,32 +192,6 @@ class ControlLoop:
         return CycleMeter(self.core.pool, estimator or self.core.estimator, self.core.runner.counters)
 
     # ---- 1. observe --------------------------------------------------------------------------
-
-    def _observe(self, robot: RobotState, obs: Observation, t0: float) -> Frame:
-        """Apply the cross-thread cancellations, read the camera images, fire the triggers (a new
-        instruction clears the subtask and cancels the requests of tasks with
-        ``cancel_on_new_instruction``), choose the action prompt (the plain one, or the subtask prompt
-        once the loop has a subtask) and build the requests ``obs`` starts (arrival ``t0``).
-
-        Raises:
-            ValueError: an unknown camera slot, no camera, or an action or fired task's prompt over
-                the model's budget.
-        """
-        robot.inbox.apply()
-        images, mask = robot.reader.camera_images(obs)
-        fired, new_instruction = robot.triggers.observe(obs)
-        if new_instruction:
-            robot.subtask.new_instruction(obs.instruction)
-            robot.inbox.cancel_requests([r for r in robot.scheduler.active if r.task.cancel_on_new_instruction])
-        action_ids, subtask = robot.subtask.action_prompt(lambda template: robot.reader.prompt_ids(template, obs))
-        requests = robot.reader.requests(obs, mask, fired, robot.inbox, t0)
-        return Frame(obs, images, mask, action_ids, requests, subtask)
-
-    def _action_frame(self, robot: RobotState, obs: Observation) -> Frame:
-        """A warm-up's frame of ``obs``: its cameras and the plain action prompt, no requests; triggers,
-        subtask and inbox untouched. Raises ValueError as :meth:`_observe`."""
-        images, mask = robot.reader.camera_images(obs)
-        return Frame(obs, images, mask, robot.reader.prompt_ids(robot.config.action.prompt_template, obs), [])
 
     # ---- 2. act ------------------------------------------------------------------------------
 

@@ -1,11 +1,13 @@
 """What the control loop's observe step (``cycle.py``) reads from an observation: the camera images
-and their mask, prompt token ids within the model's prompt budget, the language requests a cycle
-starts from it; together a :class:`Frame`."""
+and their mask, prompt token ids within the model's prompt budget, which language tasks fire for it
+(every N frames, every T seconds of observation time, on a new instruction: :class:`Triggers`,
+configured by :class:`~oxygen_ros.engine.config.TriggerConfig`) and the requests a cycle starts from
+it; together a :class:`Frame`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable
+from typing import TYPE_CHECKING, Hashable
 
 import numpy as np
 
@@ -14,6 +16,9 @@ from oxygen_ros.engine.inbox import Inbox
 from oxygen_ros.engine.model_io import ModelIO
 from oxygen_ros.engine.request import Request
 from oxygen_ros.engine.types import Observation, RequestStatus
+
+if TYPE_CHECKING:
+    from oxygen_ros.engine.robot import RobotState
 
 
 @dataclass
@@ -28,6 +33,42 @@ class Frame:
     action_ids: tuple[int, ...]
     requests: list[Request]
     subtask: str | None = None
+
+
+def observe(robot: RobotState, obs: Observation, t0: float) -> Frame:
+    """The control loop's observe step for one robot: apply the cross-thread cancellations, read the camera
+    images, fire the triggers (a new instruction clears the subtask and cancels the requests of tasks with
+    ``cancel_on_new_instruction``), choose the action prompt (the subtask prompt once the loop has a subtask
+    and it fits the prompt budget, else the plain one) and build the requests ``obs`` starts (arrival ``t0``,
+    a ``time.perf_counter()`` instant).
+
+    Raises:
+        ValueError: an unknown camera slot, no camera, or the plain action prompt or a fired task's prompt
+            over the model's budget.
+    """
+    robot.inbox.apply()
+    images, mask = robot.reader.camera_images(obs)
+    fired, new_instruction = robot.triggers.observe(obs)
+    if new_instruction:
+        robot.subtask.new_instruction(obs.instruction)
+        robot.inbox.cancel_requests([r for r in robot.scheduler.active if r.task.cancel_on_new_instruction])
+    for template, subtask in robot.subtask.action_templates():
+        try:
+            action_ids = robot.reader.prompt_ids(template, obs)
+            break
+        except ValueError:
+            if subtask is None:
+                raise
+            robot.subtask.fallbacks += 1
+    requests = robot.reader.requests(obs, mask, fired, robot.inbox, t0)
+    return Frame(obs, images, mask, action_ids, requests, subtask)
+
+
+def action_frame(robot: RobotState, obs: Observation) -> Frame:
+    """A warm-up's frame of ``obs``: its cameras and the plain action prompt, no requests; triggers, subtask
+    and inbox untouched. Raises ValueError as :func:`observe`."""
+    images, mask = robot.reader.camera_images(obs)
+    return Frame(obs, images, mask, robot.reader.prompt_ids(robot.config.action.prompt_template, obs), [])
 
 
 class ObservationReader:
@@ -107,3 +148,43 @@ class ObservationReader:
                                     mask, t_arrival, request_id=submission.request_id, tag=obs.tag,
                                     instruction=instruction, subtask_source=own, robot=self._robot))
         return requests
+
+
+class Triggers:
+    """The trigger state of the language tasks: frames seen, each task's last firing, the last
+    instruction.
+
+    Args:
+        tasks: the language tasks, in configuration order.
+    """
+
+    def __init__(self, tasks: list[TaskConfig] | tuple[TaskConfig, ...]):
+        self._tasks = list(tasks)
+        self._frame_index = 0
+        self._last_instruction: str | None = None
+        self._last_fired: dict[str, float] = {}
+
+    def observe(self, obs: Observation) -> tuple[list[TaskConfig], bool]:
+        """``(tasks that fire for obs, whether its instruction is new)``; advances the frame count.
+
+        Time triggers read ``obs.stamp`` (s). Stamps that go backwards (a bag replayed in a loop, a
+        simulator's clock reset) restart a task's period from the new time instead of waiting for
+        the stamps to pass the old one.
+        """
+        new_instruction = obs.instruction != self._last_instruction
+        self._last_instruction = obs.instruction
+        fired = [task for task in self._tasks if self._fires(task, obs, new_instruction)]
+        self._frame_index += 1
+        return fired, new_instruction
+
+    def _fires(self, task: TaskConfig, obs: Observation, new_instruction: bool) -> bool:
+        trigger = task.trigger
+        last = self._last_fired.get(task.name)
+        if last is not None and obs.stamp < last:
+            last = self._last_fired[task.name] = obs.stamp
+        fire = (trigger.on_new_instruction and new_instruction) or \
+            (trigger.every_n_frames is not None and self._frame_index % trigger.every_n_frames == 0) \
+            or (trigger.every_s is not None and (last is None or obs.stamp - last >= trigger.every_s))
+        if fire:
+            self._last_fired[task.name] = obs.stamp
+        return fire

@@ -46,12 +46,11 @@ class CycleMeter:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the block as phase ``name`` (``encode_s`` or ``denoise_s``; prefill and decode
-        steps are reported with :meth:`prefill` and :meth:`decode_step`)."""
+        steps are reported with :meth:`prefill` and :meth:`decode_step`). A block that raises is not
+        timed: its cycle ends without a record."""
         t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.timing[name] += time.perf_counter() - t
+        yield
+        self.timing[name] += time.perf_counter() - t
 
     def prefill(self, tokens: int, seconds: float) -> None:
         """One batched prefill of ``tokens`` new tokens took ``seconds``."""

@@ -17,14 +17,13 @@ from typing import Hashable
 from oxygen_ros.engine.config import EngineConfig
 from oxygen_ros.engine.core import EngineCore
 from oxygen_ros.engine.inbox import Inbox
-from oxygen_ros.engine.inputs import ObservationReader
+from oxygen_ros.engine.inputs import ObservationReader, Triggers
 from oxygen_ros.engine.metrics import EngineMetrics
 from oxygen_ros.engine.model_io import ModelIO
 from oxygen_ros.engine.outputs import OutputAssembler
 from oxygen_ros.engine.realtime import ChunkInFlight, DelayEstimator
 from oxygen_ros.engine.scheduler import Scheduler, action_reserve_blocks
 from oxygen_ros.engine.subtask import SubtaskState
-from oxygen_ros.engine.triggers import Triggers
 
 
 @dataclass(eq=False)

@@ -64,7 +64,6 @@ class StepCostEstimator:
         self._decode_samples: dict[int, deque[float]] = {}
         self._decode: dict[int, float] = {}
         self._prefill_samples: deque[float] = deque(maxlen=window)
-        self._prefill_per_token: float | None = None
 
     def observe_decode(self, batch: int, seconds: float) -> None:
         samples = self._decode_samples.setdefault(batch, deque(maxlen=self._window))
@@ -72,10 +71,9 @@ class StepCostEstimator:
         self._decode[batch] = _quantile(samples, self._quantile)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0:
-            return
-        self._prefill_samples.append(seconds / tokens)
-        self._prefill_per_token = _quantile(self._prefill_samples, self._quantile)
+        # Only kept here: the quantile is taken when an estimate is asked for, after the action chunk.
+        if tokens > 0:
+            self._prefill_samples.append(seconds / tokens)
 
     def estimate_decode(self, batch: int) -> float | None:
         if batch in self._decode:
@@ -99,7 +97,9 @@ class StepCostEstimator:
         return 0
 
     def estimate_prefill(self, tokens: int) -> float | None:
-        return None if self._prefill_per_token is None else self._prefill_per_token * tokens
+        if not self._prefill_samples:
+            return None
+        return _quantile(self._prefill_samples, self._quantile) * tokens
 
 
 @dataclass

@@ -86,16 +86,11 @@ class SubtaskState:
                 self.text = text
                 self.updates += 1
 
-    def action_prompt(self, prompt_ids: Callable[[str], tuple[int, ...]]) -> tuple[tuple[int, ...], str | None]:
-        """The next cycle's action prompt: ``(token ids, the subtask that conditioned them or None)``.
-
-        ``prompt_ids`` builds the token ids of a template for the cycle's observation (raises ValueError
-        when over the model's prompt budget). A subtask prompt over the budget falls back to the plain
-        prompt (counted in :attr:`fallbacks`); the plain prompt's error propagates.
-        """
-        if self.enabled and self.text is not None:
-            try:
-                return prompt_ids(fill_subtask(self._config.subtask_prompt_template, self.text)), self.text
-            except ValueError:
-                self.fallbacks += 1
-        return prompt_ids(self._config.prompt_template), None
+    def action_templates(self) -> list[tuple[str, str | None]]:
+        """The next cycle's action prompt templates in order of preference, each with the subtask it carries:
+        the subtask prompt filled with the loop's subtask once there is one, then the plain prompt (None).
+        The observe step (``inputs.py``) takes the first whose prompt fits the model's budget and counts a
+        skipped subtask prompt in :attr:`fallbacks`."""
+        subtask = [(fill_subtask(self._config.subtask_prompt_template, self.text), self.text)] \
+            if self.enabled and self.text is not None else []
+        return subtask + [(self._config.prompt_template, None)]

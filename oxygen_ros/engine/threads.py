@@ -9,7 +9,7 @@ processes leave free:
 * measured from ``/proc/stat`` (the machine's busy CPU time) minus this process's own CPU time
   (``os.times``), over a window: from the engine's construction to its end when that took at least
   :data:`MIN_WINDOW_S` (a node's configure loads a model), then over every control cycle (the window
-  from one cycle's start to the next);
+  from the end of one cycle to the end of the next, where the next cycle's count is chosen);
 * ``free = cpus − others' busy cores``; threads = ``floor(free + 1 − ``:data:`REQUIRED_FREE_SHARE```)``
   clamped to ``[1, usable cpus]``: a core counts when at least 75 % of it is free;
 * a new count is applied (``torch.set_num_threads``, process-wide) only after :data:`AGREEING_SAMPLES`
@@ -143,11 +143,10 @@ class IntraOpThreads:
         return None if stat is None else (self._clock(), stat[0], self._own_cpu(), stat[1])
 
     def update(self) -> int:
-        """At a cycle's start (and at the end of the engine's construction): close the window since the
-        last sample (when at least :data:`MIN_WINDOW_S` long), measure the others' load over it and apply a
-        new target once :data:`AGREEING_SAMPLES` windows agree; start a probe cycle when one is due. It also
-        sets torch's count back to this engine's when something else in the process changed it. Returns
-        the count this cycle runs with."""
+        """After a cycle (and at the end of the engine's construction), for the next one: close the window
+        since the last sample (when at least :data:`MIN_WINDOW_S` long), measure the others' load over it and
+        apply a new target once :data:`AGREEING_SAMPLES` windows agree; make the next cycle a probe when one
+        is due. Returns the count the next cycle runs with (:meth:`apply` sets it at that cycle's start)."""
         if not self.enabled:
             return torch.get_num_threads()
         self._probe = None
@@ -162,6 +161,12 @@ class IntraOpThreads:
         if torch.get_num_threads() != count:
             torch.set_num_threads(count)
         return count
+
+    def apply(self) -> None:
+        """At a cycle's start: torch's count set to the one :meth:`update` chose, in case something else in
+        the process (another engine, user code) changed it since."""
+        if self.enabled and torch.get_num_threads() != (count := self.threads if self._probe is None else self._probe):
+            torch.set_num_threads(count)
 
     def observe(self, action_seconds: float) -> None:
         """At a cycle's end: the seconds its action path (encode, prefill, denoise) took, at the count

@@ -75,7 +75,10 @@ PACK_ROWS_HINT = 32
 # denoising loop (10 action rows on the expert, 280 products per frame) took 23-24 ms with MKL and
 # 29-30 ms packed; a 30-request decode step (weights streamed from memory) got 0.5-1 ms cheaper.
 PACKED_MIN_ROWS = 16
-_PACKING = {"enabled": True, "available": None}
+# "available": whether this torch has the oneDNN linear ops :class:`Linear` packs weights for (read once at
+# import; False too after a packing failure).
+_PACKING = {"enabled": True, "available": bool(torch.backends.mkldnn.is_available()) and all(
+    hasattr(torch.ops.mkldnn, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))}
 
 
 def use_packed_weights(enabled: bool) -> None:
@@ -94,10 +97,6 @@ def packed_weights_in_use() -> bool:
 def packed_weights_available() -> bool:
     """Whether this torch has the oneDNN linear ops :class:`Linear` packs weights for (False too
     after a packing failure)."""
-    if _PACKING["available"] is None:
-        ops = torch.ops.mkldnn
-        _PACKING["available"] = bool(torch.backends.mkldnn.is_available()) and all(
-            hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))
     return bool(_PACKING["available"])
 
 
@@ -127,7 +126,7 @@ class Linear(nn.Linear):
     def _packable(self, x: torch.Tensor) -> bool:
         # Only under inference mode: the oneDNN op has no derivative of either mode.
         return (_PACKING["enabled"] and torch.is_inference_mode_enabled() and x.device.type == "cpu"
-                and x.dtype == self.weight.dtype == torch.float32 and packed_weights_available())
+                and x.dtype == self.weight.dtype == torch.float32 and _PACKING["available"])
 
     def _packed_weight(self) -> torch.Tensor | None:
         self._packed = _packed_copy(self._packed, (self.weight.data_ptr(), self.weight._version), self.weight)
