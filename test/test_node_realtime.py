@@ -128,3 +128,54 @@ def test_seams_with_rtc_stay_below_a_bound_that_plain_chunks_exceed():
     bound = 0.75    # the plain chunks' actions are O(1) apart (independent draws of random weights)
     print(f"seam median with RTC {np.median(on):.4f}, without {np.median(off):.4f}")
     assert np.median(on) < bound < np.median(off), (on, off)
+
+
+def test_under_simulated_time_the_delay_is_counted_in_simulated_steps():
+    """use_sim_time, with a simulator's clock running at a twentieth of real-time speed: each guided chunk's delay d
+    counts simulated control steps. The node's measured delays (observation stamp -> chunk out, node clock) are at most
+    the simulated time from each observation to the chunk's receipt here, so d is bounded by that time's steps;
+    counting the wall clock instead would give about twenty times as many. Frames are stamped by the node at their
+    simulated receipt time (zero stamps)."""
+    import math
+    import time
+
+    from builtin_interfaces.msg import Time
+    from rosgraph_msgs.msg import Clock
+    from std_msgs.msg import String
+
+    from oxygen_ros.msg import ActionChunk
+
+    speed, sim_start_s, dt = 0.05, 500.0, 0.02     # a chunk of 10 actions spans 0.2 s simulated = 4 s of wall time
+    started = time.monotonic()
+
+    def sim_now() -> float:
+        return sim_start_s + speed * (time.monotonic() - started)
+
+    h = Harness(tiny_parameters(use_sim_time=True, **{
+        "rtc.enabled": True, "rtc.warmup_cycles": 1, "rtc.delivery_margin_s": 0.0, "rtc.execution_horizon": 10,
+        "action_dt_s": dt, "control_rate_hz": 2.0, "speech.enabled": False, "memory.enabled": False}))
+    clock = h.robot.create_publisher(Clock, "/clock", 10)
+
+    def tick():
+        nanoseconds = round(sim_now() * 1e9)
+        clock.publish(Clock(clock=Time(sec=nanoseconds // 10**9, nanosec=nanoseconds % 10**9)))
+
+    h.robot.create_timer(0.01, tick)
+    h.zero_stamps = True
+    received: list[tuple] = []      # (chunk, simulated time at receipt)
+    h.robot.create_subscription(ActionChunk, "oxygen_node/action_chunk", lambda m: received.append((m, sim_now())), 10)
+    try:
+        h.instruction.publish(String(data="stack the blocks"))
+        assert wait_for(lambda: h.node.lifecycle_state == "active", 120.0), "autostart did not reach active"
+        assert wait_for(lambda: sum(m.rtc_delay_steps >= 0 for m, _ in list(received)) >= 5, 120.0), \
+            [(m.rtc_delay_steps, m.rtc_fallback) for m, _ in received]
+        chunks = list(received)
+    finally:
+        h.close()
+    bound_s = 0.0       # the largest simulated observation -> receipt time so far: bounds every measured delay
+    for chunk, receipt in chunks:
+        stamp = chunk.header.stamp.sec + chunk.header.stamp.nanosec * 1e-9
+        assert sim_start_s <= stamp <= receipt, (stamp, receipt)
+        bound_s = max(bound_s, receipt - stamp)
+        if chunk.rtc_delay_steps >= 0:
+            assert chunk.rtc_delay_steps <= math.ceil(bound_s / dt), (chunk.rtc_delay_steps, bound_s)
