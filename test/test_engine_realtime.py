@@ -130,3 +130,18 @@ def test_measured_delays_from_the_caller_set_d(model):
         engine.observe_delay(delay)
     chunk = engine.run_cycle(observation(2)).action
     assert (chunk.rtc_delay_steps, chunk.rtc_takeover_index) == (4, 9)      # ceil(70 ms / 20 ms) = 4, 5 + 4
+
+
+def test_a_pause_starts_afresh_and_a_new_instruction_keeps_the_guidance(model):
+    """After ``flush`` (the node's deactivation: the robot stopped executing) the next chunk has nothing to continue
+    (``no_chunk``, plain); a new instruction does not stop the guidance (the frozen actions execute whatever the
+    new task is), so its first chunk is guided toward the chunk in flight."""
+    engine = Engine(model, ByteIO(model.config), engine_config("unified", [], rtc=_rtc()))
+    assert engine.run_cycle(observation(1)).action.rtc_fallback == "no_chunk"
+    assert engine.run_cycle(observation(2)).action.rtc_delay_steps == 2
+    engine.flush()
+    after_pause = engine.run_cycle(observation(3)).action
+    assert (after_pause.rtc_fallback, after_pause.rtc_delay_steps, after_pause.rtc_takeover_index) == ("no_chunk", -1, -1)
+    new_task = engine.run_cycle(observation(4, instruction="put the cube in the bowl")).action
+    assert (new_task.rtc_fallback, new_task.rtc_delay_steps, new_task.rtc_takeover_index) == ("", 2, 7)
+    assert engine.rtc_counts == {"no_chunk": 2}
