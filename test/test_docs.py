@@ -1,4 +1,4 @@
-"""The documentation stays navigable: every relative link in README.md and docs/*.md points to a file of
+"""The documentation stays navigable: every relative link in README.md and docs/**/*.md points to a file of
 the repository (and, for a `#fragment` into a Markdown page, to one of its headings), every docs/ page that
 code or tests name exists, and the README opens with its two commands."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 
