@@ -1,0 +1,573 @@
+"""The memory store in Milvus: milvus-lite (embedded, no server) or a Milvus server (docs/memory.md, "Milvus").
+
+One :class:`MilvusMemoryStore` talks to Milvus through pymilvus's ``MilvusClient``, whichever the location:
+
+* ``PATH.db`` (``memory.store.path: milvus:PATH.db``): milvus-lite, Milvus's pure-Python engine, run inside
+  this process (a gRPC server on 127.0.0.1 in a thread; ``PATH.db`` is its data directory, locked by one process);
+* ``http(s)://HOST:PORT[/DATABASE]``: a Milvus server (Milvus standalone, a cluster, or milvus-lite's own
+  ``milvus-lite server``); the token, when the server wants one, comes from the environment variable
+  ``OXYGEN_MILVUS_TOKEN`` (never from a parameter, so that it does not show in logs).
+
+Layout (schema version :data:`SCHEMA_VERSION`, in the collection's description):
+
+* collection ``<collection>``: one row per record — ``entry_id`` (VARCHAR primary key), ``stamp_s``, ``robot``,
+  ``text`` (VARCHAR analysed by Milvus's ``standard`` analyzer, the input of a BM25 function), ``sparse`` (the
+  BM25 function's output, a sparse inverted index with the BM25 metric), ``instruction``, ``camera_names`` (JSON),
+  ``has_pose`` and the pose (``frame_id``, ``x y z`` [m], ``qx qy qz qw``, ``pose_stamp_s``; 0 / "" without a
+  pose), ``embedding_width`` (0 = no embedding);
+* collection ``<collection>_embedding_<width>`` per embedding width: ``entry_id``, the filter fields (``stamp_s``,
+  ``robot``, ``has_pose``, ``x y z``) and ``embedding`` (FLOAT_VECTOR, a FLAT index: exact cosine, as the SQLite
+  store's scan). An entry counts as stored once its row in ``<collection>`` is written (its embedding row is
+  written first; one without a main row is never returned).
+
+Queries answer as :class:`~oxygen_ros.memory.sqlite_store.SqliteMemoryStore` does (the filters, the ranking, the
+BM25 word rule of :class:`~oxygen_ros.memory.records.MemoryQuery`); docs/memory.md lists where they differ (BM25's
+constants and document statistics, word splitting, ties, transactions, durability).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Iterable, Iterator
+from urllib.parse import urlparse
+
+import numpy as np
+
+from oxygen_ros.memory.records import Hit, MemoryQuery, MemoryRecord, Pose
+from oxygen_ros.memory.store import MemoryStore, RetentionPolicy, near_duplicates
+
+SCHEMA_VERSION = 1
+COLLECTION = "oxygen_memory"            # default collection name (node parameter memory.store.collection)
+TOKEN_ENV = "OXYGEN_MILVUS_TOKEN"       # the server's token ("user:password" or an API key), when it wants one
+TIMEOUT_S = 30.0                        # connection and per-call timeout [s]
+MAX_K = 16384                           # Milvus's largest top-k (queryNode.maxTopK default)
+MAX_ID_BYTES = 1024                     # entry_id, robot and frame_id: VARCHAR limits [UTF-8 bytes]
+MAX_TEXT_BYTES = 65535                  # text, instruction, camera_names: Milvus's largest VARCHAR [UTF-8 bytes]
+_DESCRIPTION = f"oxygen_ros memory store, schema {SCHEMA_VERSION}"
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
+_WORD = re.compile(r"\w+", re.UNICODE)   # milvus-lite's standard analyzer: \w+ runs of the lower-cased text
+_PAGE = 4096                             # rows per query page / ids per filter list
+_FIELDS = ["entry_id", "stamp_s", "robot", "text", "instruction", "camera_names", "has_pose", "frame_id",
+           "x", "y", "z", "qx", "qy", "qz", "qw", "pose_stamp_s", "embedding_width"]
+_EMBEDDING_FIELDS = ["entry_id", "stamp_s", "robot", "has_pose", "x", "y", "z", "embedding"]
+_LITE_LOCK = threading.Lock()
+_LITE_USERS: dict[str, int] = {}          # milvus-lite data directory -> stores of this process using it
+
+
+class MilvusStoreError(RuntimeError):
+    """Milvus refused or failed a call (the server's message), or cannot be reached."""
+
+
+def _milvus():
+    """pymilvus, imported on first use (it imports pandas and grpc: ~1 s)."""
+    try:
+        import pymilvus
+    except ImportError as err:       # pragma: no cover - pinned in requirements/python.txt
+        raise RuntimeError(f"the Milvus memory store needs pymilvus and milvus-lite ({err})") from None
+    return pymilvus
+
+
+def lite_path(uri: str) -> Path | None:
+    """The milvus-lite data directory of ``uri`` (a ``*.db`` path), or None for a server URI.
+
+    Raises:
+        ValueError: neither an ``http(s)://`` URI nor a path ending in ``.db``, or credentials in the URI.
+    """
+    scheme = urlparse(uri).scheme.lower()
+    if scheme in ("http", "https"):
+        parsed = urlparse(uri)
+        if parsed.username or parsed.password:
+            raise ValueError(f"the Milvus URI must not hold credentials (they would show in logs): set the "
+                             f"environment variable {TOKEN_ENV} instead")
+        if not parsed.hostname:
+            raise ValueError(f"the Milvus URI {uri!r} names no host")
+        return None
+    if "://" in uri:
+        raise ValueError(f"a Milvus location is http(s)://HOST:PORT or a milvus-lite PATH.db, got {uri!r}")
+    if not uri.endswith(".db"):
+        raise ValueError(f"a milvus-lite location must end in .db (pymilvus's rule), got {uri!r}")
+    return Path(uri).absolute()
+
+
+class MilvusMemoryStore(MemoryStore):
+    """A :class:`~oxygen_ros.memory.store.MemoryStore` in Milvus (see the module docstring).
+
+    Args:
+        uri: ``PATH.db`` (milvus-lite: a directory, created with its parent when missing, reopened with its
+            records when present) or ``http(s)://HOST:PORT[/DATABASE]`` (a Milvus server; token from
+            ``OXYGEN_MILVUS_TOKEN``).
+        collection: the collection's name (letters, digits, underscores; the embedding collections add
+            ``_embedding_<width>``); created when missing.
+        synchronous: must be ``"normal"``: the client cannot make a write durable against a power loss
+            (milvus-lite writes its log to the OS on every write but does not fsync it; a server is as durable
+            as its deployment), so ``"full"`` is refused rather than not kept.
+        timeout_s: connection and per-call timeout [s].
+
+    Raises:
+        ValueError: a malformed ``uri`` or ``collection``, ``synchronous`` not ``"normal"``, or a collection of
+            another layout or schema version.
+        MilvusStoreError: the server cannot be reached within ``timeout_s`` or refuses (a wrong token), or
+            milvus-lite cannot open ``PATH.db`` (another process holds it, not a milvus-lite directory).
+    """
+
+    def __init__(self, uri: str, collection: str = COLLECTION, synchronous: str = "normal",
+                 timeout_s: float = TIMEOUT_S):
+        if synchronous != "normal":
+            raise ValueError(f"synchronous {synchronous!r} cannot be kept by a Milvus store: it writes without "
+                             "an fsync per commit (a committed entry survives a process crash, not a power loss); "
+                             "set synchronous to 'normal' (memory.store.synchronous)")
+        if not _NAME.fullmatch(collection):
+            raise ValueError(f"a Milvus collection name is a letter or _ then letters, digits or _ (at most 200), "
+                             f"got {collection!r}")
+        self.uri, self.collection, self.timeout_s = str(uri), collection, float(timeout_s)
+        self.lite = lite_path(self.uri)
+        self._write_lock = threading.Lock()
+        self._closed = True
+        token = "" if self.lite is not None else os.environ.get(TOKEN_ENV, "")
+        pymilvus = _milvus()
+        if self.lite is not None:
+            self.lite.parent.mkdir(parents=True, exist_ok=True)
+            if self.lite.exists() and not self.lite.is_dir():
+                raise ValueError(f"{self.lite} is a file, not a milvus-lite directory (a SQLite store? use "
+                                 f"sqlite:{self.lite})")
+            with _LITE_LOCK:
+                _LITE_USERS[str(self.lite)] = _LITE_USERS.get(str(self.lite), 0) + 1
+        try:
+            self._client = self._call(pymilvus.MilvusClient, str(self.lite) if self.lite else self.uri,
+                                      token=token, timeout=self.timeout_s)
+            self._closed = False
+            self._open_collection()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- connection and layout --------------------------------------------------------------------
+
+    def _call(self, function, *args, **kwargs):
+        """``function(*args, **kwargs)`` with pymilvus's errors as :class:`MilvusStoreError`."""
+        pymilvus = _milvus()
+        try:
+            return function(*args, **kwargs)
+        except pymilvus.MilvusException as err:
+            raise MilvusStoreError(f"Milvus ({self._where()}): {err.message or err}") from None
+
+    def _where(self) -> str:
+        return f"milvus-lite {self.lite}" if self.lite is not None else self.uri
+
+    def _open_collection(self) -> None:
+        if self._call(self._client.has_collection, self.collection, timeout=self.timeout_s):
+            description = self._call(self._client.describe_collection, self.collection, timeout=self.timeout_s)
+            found = description.get("description", "")
+            if found != _DESCRIPTION:
+                raise ValueError(f"the Milvus collection {self.collection!r} ({self._where()}) is not a memory "
+                                 f"store of schema version {SCHEMA_VERSION} (its description: {found!r})")
+        else:
+            self._create_main()
+        self._call(self._client.load_collection, self.collection, timeout=self.timeout_s)
+
+    def _create_main(self) -> None:
+        pymilvus = _milvus()
+        data_type = pymilvus.DataType
+        schema = pymilvus.MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False,
+                                                     description=_DESCRIPTION)
+        schema.add_field("entry_id", data_type.VARCHAR, max_length=MAX_ID_BYTES, is_primary=True)
+        schema.add_field("stamp_s", data_type.DOUBLE)
+        schema.add_field("robot", data_type.VARCHAR, max_length=MAX_ID_BYTES)
+        schema.add_field("text", data_type.VARCHAR, max_length=MAX_TEXT_BYTES, enable_analyzer=True,
+                         analyzer_params={"tokenizer": "standard", "filter": ["lowercase"]})
+        schema.add_field("sparse", data_type.SPARSE_FLOAT_VECTOR)
+        schema.add_field("instruction", data_type.VARCHAR, max_length=MAX_TEXT_BYTES)
+        schema.add_field("camera_names", data_type.VARCHAR, max_length=MAX_TEXT_BYTES)
+        schema.add_field("has_pose", data_type.BOOL)
+        schema.add_field("frame_id", data_type.VARCHAR, max_length=MAX_ID_BYTES)
+        for name in ("x", "y", "z", "qx", "qy", "qz", "qw", "pose_stamp_s"):
+            schema.add_field(name, data_type.DOUBLE)
+        schema.add_field("embedding_width", data_type.INT64)
+        schema.add_function(pymilvus.Function(name="text_bm25", function_type=pymilvus.FunctionType.BM25,
+                                              input_field_names=["text"], output_field_names=["sparse"]))
+        index = self._client.prepare_index_params()
+        index.add_index(field_name="sparse", index_type="SPARSE_INVERTED_INDEX", metric_type="BM25")
+        self._call(self._client.create_collection, self.collection, schema=schema, index_params=index,
+                   timeout=self.timeout_s)
+
+    def _embedding_collection(self, width: int) -> str:
+        return f"{self.collection}_embedding_{width}"
+
+    def _create_embedding(self, width: int) -> None:
+        pymilvus = _milvus()
+        data_type = pymilvus.DataType
+        name = self._embedding_collection(width)
+        schema = pymilvus.MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False,
+                                                     description=f"{_DESCRIPTION}, embeddings of width {width}")
+        schema.add_field("entry_id", data_type.VARCHAR, max_length=MAX_ID_BYTES, is_primary=True)
+        schema.add_field("stamp_s", data_type.DOUBLE)
+        schema.add_field("robot", data_type.VARCHAR, max_length=MAX_ID_BYTES)
+        schema.add_field("has_pose", data_type.BOOL)
+        for axis in "xyz":
+            schema.add_field(axis, data_type.DOUBLE)
+        schema.add_field("embedding", data_type.FLOAT_VECTOR, dim=width)
+        index = self._client.prepare_index_params()
+        index.add_index(field_name="embedding", index_type="FLAT", metric_type="COSINE")
+        self._call(self._client.create_collection, name, schema=schema, index_params=index, timeout=self.timeout_s)
+        self._call(self._client.load_collection, name, timeout=self.timeout_s)
+
+    def _has(self, name: str) -> bool:
+        return bool(self._call(self._client.has_collection, name, timeout=self.timeout_s))
+
+    # ---- writing ----------------------------------------------------------------------------------
+
+    def insert(self, records: Iterable[MemoryRecord]) -> int:
+        records = list({r.entry_id: r for r in records}.values())      # the last of an id wins, as in SQLite
+        rows = [self._row(r) for r in records]
+        if not rows:
+            return 0
+        embedded: dict[int, list[dict]] = {}
+        for record, row in zip(records, rows):
+            if row["embedding_width"]:
+                embedded.setdefault(row["embedding_width"], []).append(
+                    {**{k: row[k] for k in _EMBEDDING_FIELDS[:-1]},
+                     "embedding": np.asarray(record.embedding, np.float32).ravel().tolist()})
+        with self._write_lock:
+            self._check_open()
+            old = self._widths([row["entry_id"] for row in rows])
+            for width, side in embedded.items():
+                if not self._has(self._embedding_collection(width)):
+                    self._create_embedding(width)
+                for start in range(0, len(side), _PAGE):
+                    self._call(self._client.upsert, self._embedding_collection(width), side[start:start + _PAGE],
+                               timeout=self.timeout_s)
+            for start in range(0, len(rows), _PAGE):
+                self._call(self._client.upsert, self.collection, rows[start:start + _PAGE], timeout=self.timeout_s)
+            stale: dict[int, list[str]] = {}
+            for row in rows:
+                width = old.get(row["entry_id"], 0)
+                if width and width != row["embedding_width"]:
+                    stale.setdefault(width, []).append(row["entry_id"])
+            for width, ids in stale.items():
+                self._delete(self._embedding_collection(width), ids)
+        return len(rows)
+
+    @staticmethod
+    def _row(record: MemoryRecord) -> dict:
+        """The main collection's row of ``record``. Raises ValueError for a value Milvus cannot hold."""
+        for name, value, limit in (("entry_id", record.entry_id, MAX_ID_BYTES), ("robot", record.robot, MAX_ID_BYTES),
+                                   ("text", record.text, MAX_TEXT_BYTES),
+                                   ("instruction", record.instruction, MAX_TEXT_BYTES),
+                                   ("frame_id", "" if record.pose is None else record.pose.frame_id, MAX_ID_BYTES)):
+            size = len(value.encode("utf-8"))
+            if size > limit:
+                raise ValueError(f"memory record {record.entry_id[:64]!r}: {name} is {size} bytes, more than the "
+                                 f"Milvus store's {limit}")
+        if not record.entry_id:
+            raise ValueError("a memory record's entry_id must not be empty in a Milvus store")
+        if not math.isfinite(record.stamp_s):
+            raise ValueError(f"memory record {record.entry_id!r}: stamp_s must be finite, got {record.stamp_s}")
+        cameras = json.dumps(list(record.camera_names))
+        if len(cameras.encode("utf-8")) > MAX_TEXT_BYTES:
+            raise ValueError(f"memory record {record.entry_id!r}: camera_names longer than {MAX_TEXT_BYTES} bytes")
+        pose = record.pose
+        row = {"entry_id": record.entry_id, "stamp_s": float(record.stamp_s), "robot": record.robot,
+               "text": record.text, "instruction": record.instruction, "camera_names": cameras,
+               "has_pose": pose is not None, "frame_id": "" if pose is None else pose.frame_id}
+        position = (0.0, 0.0, 0.0) if pose is None else tuple(map(float, pose.position))
+        orientation = (0.0, 0.0, 0.0, 0.0) if pose is None else tuple(map(float, pose.orientation))
+        if pose is not None and not all(math.isfinite(v) for v in position):
+            raise ValueError(f"memory record {record.entry_id!r}: pose position must be finite, got {position}")
+        row.update(zip(("x", "y", "z"), position))
+        row.update(zip(("qx", "qy", "qz", "qw"), orientation))
+        row["pose_stamp_s"] = 0.0 if pose is None else float(pose.stamp_s)
+        width = 0
+        if record.embedding is not None:
+            embedding = np.asarray(record.embedding, np.float32).ravel()
+            width = int(embedding.size)
+            if not 2 <= width <= 32768:
+                raise ValueError(f"memory record {record.entry_id!r}: a Milvus store keeps embeddings of width "
+                                 f"2..32768, got {width}")
+            if not np.all(np.isfinite(embedding)):
+                raise ValueError(f"memory record {record.entry_id!r}: the embedding has a non-finite value")
+        row["embedding_width"] = width
+        return row
+
+    def _widths(self, ids: list[str]) -> dict[str, int]:
+        """``entry_id -> embedding_width`` of the stored ones of ``ids``."""
+        found = {}
+        for start in range(0, len(ids), _PAGE):
+            chunk = ids[start:start + _PAGE]
+            rows = self._call(self._client.query, self.collection, filter="entry_id in {ids}",
+                              filter_params={"ids": chunk}, output_fields=["entry_id", "embedding_width"],
+                              timeout=self.timeout_s)
+            found.update((row["entry_id"], int(row["embedding_width"])) for row in rows)
+        return found
+
+    def _delete(self, collection: str, ids: list[str]) -> None:
+        for start in range(0, len(ids), _PAGE):
+            self._call(self._client.delete, collection, ids=ids[start:start + _PAGE], timeout=self.timeout_s)
+
+    def _remove(self, ids: list[str]) -> None:
+        """Delete ``ids``: the main rows first (then they are gone), then their embedding rows."""
+        widths = self._widths(ids)
+        self._delete(self.collection, ids)
+        by_width: dict[int, list[str]] = {}
+        for entry_id, width in widths.items():
+            if width:
+                by_width.setdefault(width, []).append(entry_id)
+        for width, chunk in by_width.items():
+            self._delete(self._embedding_collection(width), chunk)
+
+    def prune(self, policy: RetentionPolicy, now_s: float | None = None) -> dict[str, int]:
+        removed = {"age": 0, "count": 0, "duplicate": 0}
+        if not policy.active:
+            return removed
+        with self._write_lock:
+            self._check_open()
+            rows = list(self._scan("", ["entry_id", "stamp_s", "robot", "text", "has_pose", "frame_id", "x", "y",
+                                        "z"]))
+            gone: set[str] = set()
+            if policy.max_age_s and rows:
+                if now_s is None:
+                    now_s = max(row["stamp_s"] for row in rows)
+                old = [row["entry_id"] for row in rows if row["stamp_s"] < now_s - policy.max_age_s]
+                removed["age"] = len(old)
+                gone.update(old)
+            if policy.duplicate_radius_m:
+                posed = [(r["entry_id"], r["stamp_s"], r["robot"], r["text"], r["frame_id"], r["x"], r["y"], r["z"])
+                         for r in rows if r["has_pose"] and r["entry_id"] not in gone]
+                duplicates = near_duplicates(posed, policy.duplicate_radius_m, policy.duplicate_text_similarity)
+                removed["duplicate"] = len(duplicates)
+                gone.update(duplicates)
+            if policy.max_count:
+                left = sorted((r["stamp_s"], r["entry_id"]) for r in rows if r["entry_id"] not in gone)
+                excess = len(left) - policy.max_count
+                if excess > 0:
+                    removed["count"] = excess
+                    gone.update(entry_id for _, entry_id in left[:excess])
+            if gone:
+                self._remove(sorted(gone))
+        return removed
+
+    # ---- reading ----------------------------------------------------------------------------------
+
+    def _scan(self, expr: str, fields: list[str], params: dict | None = None,
+              collection: str | None = None) -> Iterator[dict]:
+        """Every row of ``collection`` (default: the main one) passing ``expr``, with ``fields``."""
+        iterator = self._call(self._client.query_iterator, collection or self.collection, batch_size=_PAGE,
+                              filter=expr, filter_params=params or {}, output_fields=fields, timeout=self.timeout_s)
+        try:
+            while True:
+                page = self._call(iterator.next)
+                if not page:
+                    return
+                yield from page
+        finally:
+            iterator.close()
+
+    @staticmethod
+    def _filters(query: MemoryQuery) -> tuple[str, dict]:
+        """The Milvus filter expression (and its parameters) of the time, robot and place-box filters."""
+        clauses, params = [], {}
+        if query.since_s is not None:
+            clauses.append("stamp_s >= {since}")
+            params["since"] = float(query.since_s)
+        if query.until_s is not None:
+            clauses.append("stamp_s <= {until}")
+            params["until"] = float(query.until_s)
+        if query.robot is not None:
+            clauses.append("robot == {robot}")
+            params["robot"] = query.robot
+        if query.near is not None:
+            clauses.append("has_pose == true")
+            for axis, centre in zip("xyz", query.near):
+                clauses.append(f"{axis} >= {{{axis}_low}} and {axis} <= {{{axis}_high}}")
+                params[f"{axis}_low"] = float(centre) - query.radius_m
+                params[f"{axis}_high"] = float(centre) + query.radius_m
+        return " and ".join(clauses), params
+
+    def _place(self, query: MemoryQuery, expr: str, params: dict) -> dict[str, float]:
+        """``entry_id -> stamp_s`` of the entries passing the filters and within ``query.radius_m`` of
+        ``query.near`` (the box of the expression, then the exact Euclidean distance)."""
+        centre = tuple(float(v) for v in query.near)
+        return {row["entry_id"]: row["stamp_s"]
+                for row in self._scan(expr, ["entry_id", "stamp_s", "x", "y", "z"], params)
+                if math.dist((row["x"], row["y"], row["z"]), centre) <= query.radius_m}
+
+    def query(self, query: MemoryQuery) -> list[Hit]:
+        if query.k > MAX_K:
+            raise ValueError(f"k must be <= {MAX_K} with a Milvus store (Milvus's largest top-k), got {query.k}")
+        expr, params = self._filters(query)
+        self._check_open()
+        candidates = None if query.near is None else self._place(query, expr, params)
+        if candidates is not None and not candidates:
+            return []
+        if query.text.strip():
+            terms = self._weighted_terms(query.text)
+            if not terms:
+                return []
+            ranked = self._ranked(self.collection, "sparse", " ".join(terms), expr, params, query.k, candidates)
+        elif query.embedding is not None:
+            target = np.asarray(query.embedding, dtype=np.float32).ravel()
+            norm = float(np.linalg.norm(target))
+            if norm == 0 or not np.isfinite(norm):
+                raise ValueError("the query embedding must be finite and not all zero")
+            name = self._embedding_collection(target.size)
+            if not 2 <= target.size <= 32768 or not self._has(name):
+                return []
+            ranked = self._ranked(name, "embedding", target.tolist(), expr, params, query.k, candidates)
+        else:
+            stamps = candidates if candidates is not None else \
+                {row["entry_id"]: row["stamp_s"] for row in self._scan(expr, ["entry_id", "stamp_s"], params)}
+            newest = heapq.nsmallest(query.k, stamps.items(), key=lambda item: (-item[1], _descending(item[0])))
+            ranked = [(entry_id, 0.0) for entry_id, _ in newest]
+        records = {r.entry_id: r for r in self._get([entry_id for entry_id, _ in ranked], embeddings=False)}
+        return [Hit(records[entry_id], score) for entry_id, score in ranked if entry_id in records]
+
+    def _weighted_terms(self, text: str) -> list[str]:
+        """The words of a text query worth matching (as the SQLite store: those in fewer than half of the
+        entries; all of them when every one is such a word), split and lower-cased as milvus-lite's standard
+        analyzer does."""
+        terms = sorted(set(_WORD.findall(text.lower())))
+        if not terms:
+            return terms
+        total = self.count()
+        weighted = [t for t in terms if 2 * self._document_count(t) < total]
+        return weighted or terms
+
+    def _document_count(self, term: str) -> int:
+        """How many entries' captions hold ``term`` (Milvus's ``text_match`` on the analysed caption)."""
+        rows = self._call(self._client.query, self.collection, filter="text_match(text, {term})",
+                          filter_params={"term": term}, output_fields=["count(*)"], timeout=self.timeout_s)
+        return int(rows[0]["count(*)"])
+
+    def _ranked(self, collection: str, field: str, data, expr: str, params: dict, k: int,
+                candidates: dict[str, float] | None) -> list[tuple[str, float]]:
+        """The best ``k`` ``(entry_id, score)`` of a search of ``field`` (BM25 or cosine) among the rows
+        passing ``expr`` (and among ``candidates`` when given), best first; ties newest first."""
+        results: list[tuple[str, float, float]] = []
+        if candidates is None:
+            chunks = [(expr, params)]
+        else:
+            ids = sorted(candidates)
+            chunks = [(f"({expr}) and entry_id in {{ids}}", {**params, "ids": ids[start:start + _PAGE]})
+                      for start in range(0, len(ids), _PAGE)]
+        for chunk_expr, chunk_params in chunks:
+            answer = self._call(self._client.search, collection, data=[data], anns_field=field, limit=k,
+                                filter=chunk_expr, filter_params=chunk_params, output_fields=["stamp_s"],
+                                timeout=self.timeout_s)
+            for hit in answer[0]:
+                results.append((hit["id"], float(hit["distance"]), float(hit["entity"]["stamp_s"])))
+        best = heapq.nsmallest(k, results, key=lambda r: (-r[1], -r[2], r[0]))
+        return [(entry_id, score) for entry_id, score, _ in best]
+
+    def get(self, entry_ids: Iterable[str]) -> list[MemoryRecord]:
+        wanted = list(entry_ids)
+        self._check_open()
+        found = {r.entry_id: r for r in self._get(wanted, embeddings=True)}
+        return [found[i] for i in wanted if i in found]
+
+    def _get(self, ids: list[str], embeddings: bool) -> list[MemoryRecord]:
+        rows = []
+        unique = sorted(set(ids))
+        for start in range(0, len(unique), _PAGE):
+            rows += self._call(self._client.query, self.collection, filter="entry_id in {ids}",
+                               filter_params={"ids": unique[start:start + _PAGE]}, output_fields=_FIELDS,
+                               timeout=self.timeout_s)
+        vectors = self._embeddings(rows) if embeddings else {}
+        return [self._record(row, vectors.get(row["entry_id"])) for row in rows]
+
+    def _embeddings(self, rows: list[dict]) -> dict[str, np.ndarray]:
+        """``entry_id -> embedding`` of the rows with one."""
+        by_width: dict[int, list[str]] = {}
+        for row in rows:
+            if row["embedding_width"]:
+                by_width.setdefault(int(row["embedding_width"]), []).append(row["entry_id"])
+        vectors = {}
+        for width, ids in by_width.items():
+            for start in range(0, len(ids), _PAGE):
+                found = self._call(self._client.query, self._embedding_collection(width), filter="entry_id in {ids}",
+                                   filter_params={"ids": ids[start:start + _PAGE]},
+                                   output_fields=["entry_id", "embedding"], timeout=self.timeout_s)
+                vectors.update((row["entry_id"], np.asarray(row["embedding"], np.float32)) for row in found)
+        return vectors
+
+    def records(self, embeddings: bool = True) -> Iterator[MemoryRecord]:
+        self._check_open()
+        rows = sorted(self._scan("", _FIELDS), key=lambda row: (row["stamp_s"], row["entry_id"]))
+        vectors: dict[str, np.ndarray] = {}
+        if embeddings:
+            for width in sorted({int(row["embedding_width"]) for row in rows} - {0}):
+                for row in self._scan("", ["entry_id", "embedding"], collection=self._embedding_collection(width)):
+                    vectors[row["entry_id"]] = np.asarray(row["embedding"], np.float32)
+        for row in rows:
+            yield self._record(row, vectors.get(row["entry_id"]) if row["embedding_width"] else None)
+
+    @staticmethod
+    def _record(row: dict, embedding: np.ndarray | None) -> MemoryRecord:
+        pose = None
+        if row["has_pose"]:
+            pose = Pose(row["frame_id"], (row["x"], row["y"], row["z"]), (row["qx"], row["qy"], row["qz"], row["qw"]),
+                        row["pose_stamp_s"])
+        return MemoryRecord(row["entry_id"], row["stamp_s"], row["text"], row["robot"], row["instruction"],
+                            tuple(json.loads(row["camera_names"])), pose, embedding)
+
+    def count(self) -> int:
+        self._check_open()
+        rows = self._call(self._client.query, self.collection, filter="", output_fields=["count(*)"],
+                          timeout=self.timeout_s)
+        return int(rows[0]["count(*)"])
+
+    def stats(self) -> dict:
+        self._check_open()
+        entries = with_pose = embedded = 0
+        robots: set[str] = set()
+        oldest = newest = None
+        for row in self._scan("", ["stamp_s", "robot", "has_pose", "embedding_width"]):
+            entries += 1
+            with_pose += bool(row["has_pose"])
+            embedded += bool(row["embedding_width"])
+            robots.add(row["robot"])
+            oldest = row["stamp_s"] if oldest is None else min(oldest, row["stamp_s"])
+            newest = row["stamp_s"] if newest is None else max(newest, row["stamp_s"])
+        size = None
+        if self.lite is not None:
+            size = sum(p.stat().st_size for p in self.lite.rglob("*") if p.is_file())
+        return {"backend": "milvus-lite" if self.lite is not None else "milvus", "uri": self._where(),
+                "collection": self.collection, "entries": entries, "with_pose": with_pose,
+                "with_embedding": embedded, "robots": len(robots), "oldest_s": oldest, "newest_s": newest,
+                "bytes": size}
+
+    def close(self) -> None:
+        with self._write_lock:
+            if getattr(self, "_released", False):
+                return
+            self._released = True
+            self._closed = True
+            client = getattr(self, "_client", None)
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:      # noqa: BLE001 - a dead server cannot refuse a close that matters
+                    pass
+            if self.lite is not None:
+                with _LITE_LOCK:
+                    users = _LITE_USERS.get(str(self.lite), 1) - 1
+                    if users > 0:
+                        _LITE_USERS[str(self.lite)] = users
+                        return
+                    _LITE_USERS.pop(str(self.lite), None)
+                # the embedded engine (its server thread and the directory's lock) goes with the last store
+                from milvus_lite.server_manager import server_manager_instance
+                server_manager_instance.release_server(str(self.lite))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"the memory store {self._where()} ({self.collection}) is closed")
+
+
+def _descending(text: str) -> tuple[int, ...]:
+    """A key that sorts strings in descending order inside an ascending sort."""
+    return tuple(-ord(c) for c in text) + (1,)
