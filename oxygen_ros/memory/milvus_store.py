@@ -299,15 +299,15 @@ class MilvusMemoryStore(MemoryStore):
         found = {}
         for start in range(0, len(ids), _PAGE):
             chunk = ids[start:start + _PAGE]
-            rows = self._call(self._client.query, self.collection, filter="entry_id in {ids}",
-                              filter_params={"ids": chunk}, output_fields=["entry_id", "embedding_width"],
-                              timeout=self.timeout_s)
+            rows = self._call(self._client.query, self.collection, filter=_ids_expr(chunk),
+                              output_fields=["entry_id", "embedding_width"], timeout=self.timeout_s)
             found.update((row["entry_id"], int(row["embedding_width"])) for row in rows)
         return found
 
     def _delete(self, collection: str, ids: list[str]) -> None:
         for start in range(0, len(ids), _PAGE):
-            self._call(self._client.delete, collection, ids=ids[start:start + _PAGE], timeout=self.timeout_s)
+            self._call(self._client.delete, collection, filter=_ids_expr(ids[start:start + _PAGE]),
+                       timeout=self.timeout_s)
 
     def _remove(self, ids: list[str]) -> None:
         """Delete ``ids``: the main rows first (then they are gone), then their embedding rows."""
@@ -353,11 +353,10 @@ class MilvusMemoryStore(MemoryStore):
 
     # ---- reading ----------------------------------------------------------------------------------
 
-    def _scan(self, expr: str, fields: list[str], params: dict | None = None,
-              collection: str | None = None) -> Iterator[dict]:
+    def _scan(self, expr: str, fields: list[str], collection: str | None = None) -> Iterator[dict]:
         """Every row of ``collection`` (default: the main one) passing ``expr``, with ``fields``."""
         iterator = self._call(self._client.query_iterator, collection or self.collection, batch_size=_PAGE,
-                              filter=expr, filter_params=params or {}, output_fields=fields, timeout=self.timeout_s)
+                              filter=expr, output_fields=fields, timeout=self.timeout_s)
         try:
             while True:
                 page = self._call(iterator.next)
@@ -368,47 +367,50 @@ class MilvusMemoryStore(MemoryStore):
             iterator.close()
 
     @staticmethod
-    def _filters(query: MemoryQuery) -> tuple[str, dict]:
-        """The Milvus filter expression (and its parameters) of the time, robot and place-box filters."""
-        clauses, params = [], {}
-        if query.since_s is not None:
-            clauses.append("stamp_s >= {since}")
-            params["since"] = float(query.since_s)
-        if query.until_s is not None:
-            clauses.append("stamp_s <= {until}")
-            params["until"] = float(query.until_s)
+    def _filters(query: MemoryQuery) -> str | None:
+        """The Milvus filter expression of the time, robot and place-box filters ("" = none; None = nothing
+        can pass: a window starting at +inf or ending at -inf)."""
+        clauses = []
+        for bound, op, empty in ((query.since_s, ">=", math.inf), (query.until_s, "<=", -math.inf)):
+            if bound is None or bound == -empty:
+                continue
+            if math.isnan(bound) or bound == empty:
+                if math.isnan(bound):
+                    raise ValueError("a time bound must not be NaN")
+                return None
+            clauses.append(f"stamp_s {op} {_number(bound)}")
         if query.robot is not None:
-            clauses.append("robot == {robot}")
-            params["robot"] = query.robot
+            clauses.append(f"robot == {_string(query.robot)}")
         if query.near is not None:
             clauses.append("has_pose == true")
             for axis, centre in zip("xyz", query.near):
-                clauses.append(f"{axis} >= {{{axis}_low}} and {axis} <= {{{axis}_high}}")
-                params[f"{axis}_low"] = float(centre) - query.radius_m
-                params[f"{axis}_high"] = float(centre) + query.radius_m
-        return " and ".join(clauses), params
+                clauses.append(f"{axis} >= {_number(centre - query.radius_m)} and "
+                               f"{axis} <= {_number(centre + query.radius_m)}")
+        return " and ".join(clauses)
 
-    def _place(self, query: MemoryQuery, expr: str, params: dict) -> dict[str, float]:
+    def _place(self, query: MemoryQuery, expr: str) -> dict[str, float]:
         """``entry_id -> stamp_s`` of the entries passing the filters and within ``query.radius_m`` of
         ``query.near`` (the box of the expression, then the exact Euclidean distance)."""
         centre = tuple(float(v) for v in query.near)
         return {row["entry_id"]: row["stamp_s"]
-                for row in self._scan(expr, ["entry_id", "stamp_s", "x", "y", "z"], params)
+                for row in self._scan(expr, ["entry_id", "stamp_s", "x", "y", "z"])
                 if math.dist((row["x"], row["y"], row["z"]), centre) <= query.radius_m}
 
     def query(self, query: MemoryQuery) -> list[Hit]:
         if query.k > MAX_K:
             raise ValueError(f"k must be <= {MAX_K} with a Milvus store (Milvus's largest top-k), got {query.k}")
-        expr, params = self._filters(query)
+        expr = self._filters(query)
         self._check_open()
-        candidates = None if query.near is None else self._place(query, expr, params)
+        if expr is None:
+            return []
+        candidates = None if query.near is None else self._place(query, expr)
         if candidates is not None and not candidates:
             return []
         if query.text.strip():
             terms = self._weighted_terms(query.text)
             if not terms:
                 return []
-            ranked = self._ranked(self.collection, "sparse", " ".join(terms), expr, params, query.k, candidates)
+            ranked = self._ranked(self.collection, "sparse", " ".join(terms), expr, query.k, candidates)
         elif query.embedding is not None:
             target = np.asarray(query.embedding, dtype=np.float32).ravel()
             norm = float(np.linalg.norm(target))
@@ -417,10 +419,10 @@ class MilvusMemoryStore(MemoryStore):
             name = self._embedding_collection(target.size)
             if not 2 <= target.size <= 32768 or not self._has(name):
                 return []
-            ranked = self._ranked(name, "embedding", target.tolist(), expr, params, query.k, candidates)
+            ranked = self._ranked(name, "embedding", target.tolist(), expr, query.k, candidates)
         else:
             stamps = candidates if candidates is not None else \
-                {row["entry_id"]: row["stamp_s"] for row in self._scan(expr, ["entry_id", "stamp_s"], params)}
+                {row["entry_id"]: row["stamp_s"] for row in self._scan(expr, ["entry_id", "stamp_s"])}
             newest = heapq.nsmallest(query.k, stamps.items(), key=lambda item: (-item[1], _descending(item[0])))
             ranked = [(entry_id, 0.0) for entry_id, _ in newest]
         records = {r.entry_id: r for r in self._get([entry_id for entry_id, _ in ranked], embeddings=False)}
@@ -439,25 +441,23 @@ class MilvusMemoryStore(MemoryStore):
 
     def _document_count(self, term: str) -> int:
         """How many entries' captions hold ``term`` (Milvus's ``text_match`` on the analysed caption)."""
-        rows = self._call(self._client.query, self.collection, filter="text_match(text, {term})",
-                          filter_params={"term": term}, output_fields=["count(*)"], timeout=self.timeout_s)
+        rows = self._call(self._client.query, self.collection, filter=f"text_match(text, {_string(term)})",
+                          output_fields=["count(*)"], timeout=self.timeout_s)
         return int(rows[0]["count(*)"])
 
-    def _ranked(self, collection: str, field: str, data, expr: str, params: dict, k: int,
+    def _ranked(self, collection: str, field: str, data, expr: str, k: int,
                 candidates: dict[str, float] | None) -> list[tuple[str, float]]:
         """The best ``k`` ``(entry_id, score)`` of a search of ``field`` (BM25 or cosine) among the rows
         passing ``expr`` (and among ``candidates`` when given), best first; ties newest first."""
         results: list[tuple[str, float, float]] = []
         if candidates is None:
-            chunks = [(expr, params)]
+            chunks = [expr]
         else:
             ids = sorted(candidates)
-            chunks = [(f"({expr}) and entry_id in {{ids}}", {**params, "ids": ids[start:start + _PAGE]})
-                      for start in range(0, len(ids), _PAGE)]
-        for chunk_expr, chunk_params in chunks:
+            chunks = [f"({expr}) and {_ids_expr(ids[start:start + _PAGE])}" for start in range(0, len(ids), _PAGE)]
+        for chunk in chunks:
             answer = self._call(self._client.search, collection, data=[data], anns_field=field, limit=k,
-                                filter=chunk_expr, filter_params=chunk_params, output_fields=["stamp_s"],
-                                timeout=self.timeout_s)
+                                filter=chunk, output_fields=["stamp_s"], timeout=self.timeout_s)
             for hit in answer[0]:
                 results.append((hit["id"], float(hit["distance"]), float(hit["entity"]["stamp_s"])))
         best = heapq.nsmallest(k, results, key=lambda r: (-r[1], -r[2], r[0]))
@@ -473,9 +473,8 @@ class MilvusMemoryStore(MemoryStore):
         rows = []
         unique = sorted(set(ids))
         for start in range(0, len(unique), _PAGE):
-            rows += self._call(self._client.query, self.collection, filter="entry_id in {ids}",
-                               filter_params={"ids": unique[start:start + _PAGE]}, output_fields=_FIELDS,
-                               timeout=self.timeout_s)
+            rows += self._call(self._client.query, self.collection, filter=_ids_expr(unique[start:start + _PAGE]),
+                               output_fields=_FIELDS, timeout=self.timeout_s)
         vectors = self._embeddings(rows) if embeddings else {}
         return [self._record(row, vectors.get(row["entry_id"])) for row in rows]
 
@@ -488,9 +487,9 @@ class MilvusMemoryStore(MemoryStore):
         vectors = {}
         for width, ids in by_width.items():
             for start in range(0, len(ids), _PAGE):
-                found = self._call(self._client.query, self._embedding_collection(width), filter="entry_id in {ids}",
-                                   filter_params={"ids": ids[start:start + _PAGE]},
-                                   output_fields=["entry_id", "embedding"], timeout=self.timeout_s)
+                found = self._call(self._client.query, self._embedding_collection(width),
+                                   filter=_ids_expr(ids[start:start + _PAGE]), output_fields=["entry_id", "embedding"],
+                                   timeout=self.timeout_s)
                 vectors.update((row["entry_id"], np.asarray(row["embedding"], np.float32)) for row in found)
         return vectors
 
@@ -571,3 +570,22 @@ class MilvusMemoryStore(MemoryStore):
 def _descending(text: str) -> tuple[int, ...]:
     """A key that sorts strings in descending order inside an ascending sort."""
     return tuple(-ord(c) for c in text) + (1,)
+
+
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _string(text: str) -> str:
+    """``text`` as a Milvus filter string literal (double quotes; backslash, quote, newline, carriage return and
+    tab escaped: the escapes milvus-lite and the Milvus server both read)."""
+    return '"' + "".join(_ESCAPES.get(c, c) for c in text) + '"'
+
+
+def _number(value: float) -> str:
+    """A finite ``value`` as a Milvus filter number literal (Python's shortest round-trip form)."""
+    return repr(float(value))
+
+
+def _ids_expr(ids: list[str]) -> str:
+    """The filter expression ``entry_id in [...]`` of ``ids``."""
+    return f"entry_id in [{', '.join(_string(i) for i in ids)}]"
