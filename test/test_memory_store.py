@@ -1,8 +1,13 @@
 """The memory store (oxygen_ros/memory): retrieval by text, time, place and robot on hand-made entries, the
-retention policy, export and import, durability across a reopen and a kill -9 in the middle of writing, the CLI."""
+retention policy, export and import, durability across a reopen and a kill -9 in the middle of writing, the CLI.
+
+The tests of what both backends promise alike run on each (``backend``: a SQLite file, and a collection of
+milvus-lite, Milvus's embedded engine, in one data directory per module: starting it costs about a second);
+SQLite's and Milvus's own promises (durability, the server path, their limits) have tests of their own."""
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import signal
@@ -14,8 +19,10 @@ import time
 import numpy as np
 import pytest
 
-from oxygen_ros.memory import MemoryQuery, MemoryRecord, Pose, RetentionPolicy, SqliteMemoryStore
+from oxygen_ros.memory import MemoryQuery, MemoryRecord, Pose, RetentionPolicy, SqliteMemoryStore, parse_location
 from oxygen_ros.memory.__main__ import main as cli
+
+BACKENDS = ("sqlite", "milvus")
 
 
 def _record(entry_id, stamp_s, text, xyz=None, robot="r1", embedding=None, frame="map"):
@@ -35,9 +42,50 @@ ENTRIES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def milvus_dir(tmp_path_factory):
+    """One milvus-lite data directory for the module, its engine kept running by a store held open."""
+    from oxygen_ros.memory.milvus_store import MilvusMemoryStore
+
+    path = tmp_path_factory.mktemp("milvus") / "memory.db"
+    with MilvusMemoryStore(str(path), collection="keep_running"):
+        yield path
+
+
+_TEST_NUMBER = itertools.count()
+
+
+class Stores:
+    """Opens stores of one backend: ``open(name)`` is the same store for the same name (within a test)."""
+
+    def __init__(self, backend, tmp_path, request):
+        self.backend, self.tmp_path, self._request = backend, tmp_path, request
+        self._prefix = f"t{next(_TEST_NUMBER)}_"
+
+    def location(self, name):
+        if self.backend == "sqlite":
+            return str(self.tmp_path / f"{name}.db")
+        return f"milvus:{self._request.getfixturevalue('milvus_dir')}"
+
+    def collection(self, name):
+        return self._prefix + name
+
+    def open(self, name="memory"):
+        if self.backend == "sqlite":
+            return SqliteMemoryStore(self.tmp_path / f"{name}.db")
+        from oxygen_ros.memory.milvus_store import MilvusMemoryStore
+
+        return MilvusMemoryStore(str(self._request.getfixturevalue("milvus_dir")), collection=self.collection(name))
+
+
+@pytest.fixture(params=BACKENDS)
+def stores(request, tmp_path):
+    return Stores(request.param, tmp_path, request)
+
+
 @pytest.fixture
-def store(tmp_path):
-    with SqliteMemoryStore(tmp_path / "memory.db") as s:
+def store(stores):
+    with stores.open() as s:
         s.insert(ENTRIES)
         yield s
 
@@ -117,8 +165,8 @@ def test_records_round_trip_with_pose_embedding_and_replacement(store):
     assert store.query(MemoryQuery(text="counter")) and "a" not in _ids(store.query(MemoryQuery(text="counter")))
 
 
-def test_prune_by_age_count_and_near_duplicates(tmp_path):
-    with SqliteMemoryStore(tmp_path / "prune.db") as store:
+def test_prune_by_age_count_and_near_duplicates(stores):
+    with stores.open("prune") as store:
         store.insert(ENTRIES)
         assert store.prune(RetentionPolicy(max_age_s=35.0), now_s=60.0) == {"age": 2, "count": 0, "duplicate": 0}
         assert sorted(r.entry_id for r in store.records()) == ["c", "d", "e", "f"]
@@ -128,7 +176,7 @@ def test_prune_by_age_count_and_near_duplicates(tmp_path):
         assert store.query(MemoryQuery(text="mug")) == []
         assert store.query(MemoryQuery(near=(5.0, 0.0, 0.0), radius_m=0.5)) == []
 
-    with SqliteMemoryStore(tmp_path / "duplicates.db") as store:
+    with stores.open("duplicates") as store:
         store.insert([
             _record("old", 1.0, "A red cube on the table.", (1.0, 1.0, 0.0)),
             _record("new", 2.0, "a red cube on the table", (1.1, 1.0, 0.0)),
@@ -146,21 +194,27 @@ def test_prune_by_age_count_and_near_duplicates(tmp_path):
         assert "other" not in {r.entry_id for r in store.records()}
 
 
-def test_export_import_and_reopen(tmp_path):
-    path = tmp_path / "memory.db"
-    with SqliteMemoryStore(path) as store:
+def test_export_import_and_reopen(stores):
+    with stores.open() as store:
         store.insert(ENTRIES)
         stream = io.StringIO()
         assert store.export_jsonl(stream) == len(ENTRIES)
     lines = stream.getvalue().splitlines()
     assert json.loads(lines[0])["entry_id"] == "a" and json.loads(lines[0])["pose"]["position"] == [0.0, 0.0, 0.0]
+    assert json.loads(lines[0])["embedding"] == [1.0, 0.0, 0.0]
     # reopened: everything is there, and its indexes answer
-    with SqliteMemoryStore(path) as store:
+    with stores.open() as store:
         assert store.count() == len(ENTRIES)
         assert _ids(store.query(MemoryQuery(text="mug"))) == ["c"]
-    with SqliteMemoryStore(tmp_path / "copy.db") as copy:
+        originals = list(store.records())
+    with stores.open("copy") as copy:
         assert copy.import_jsonl(io.StringIO(stream.getvalue())) == len(ENTRIES)
-        assert list(copy.records()) == list(SqliteMemoryStore(path).records())
+        copied = list(copy.records())
+        assert copied == originals
+        for mine, theirs in zip(copied, originals):
+            assert (mine.embedding is None) == (theirs.embedding is None)
+            if mine.embedding is not None:
+                np.testing.assert_array_equal(mine.embedding, theirs.embedding)
         with pytest.raises(ValueError, match="line 2"):
             copy.import_jsonl(io.StringIO(lines[0] + "\n{\"text\": 1}\n"))
 
@@ -204,24 +258,26 @@ def test_kill_9_mid_write_loses_at_most_the_entry_being_written(tmp_path):
         assert store.count() == len(ids) + 1
 
 
-def test_cli_query_prune_export_stats(tmp_path, capsys):
-    path = tmp_path / "cli.db"
-    with SqliteMemoryStore(path) as store:
+def test_cli_query_prune_export_stats(stores, tmp_path, capsys):
+    with stores.open("cli") as store:
         store.insert(ENTRIES)
-    assert cli(["query", str(path), "--text", "red cube", "--near", "10", "0", "0", "--radius", "1", "--json"]) == 0
+    path, name = stores.location("cli"), ["--collection", stores.collection("cli")]
+    assert cli(name + ["query", path, "--text", "red cube", "--near", "10", "0", "0", "--radius", "1", "--json"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [json.loads(line)["entry_id"] for line in lines] == ["d"]
-    assert cli(["stats", str(path)]) == 0
+    assert cli(name + ["stats", path]) == 0
     stats = json.loads(capsys.readouterr().out)
-    assert stats["entries"] == 6 and stats["with_pose"] == 5 and stats["robots"] == 2
+    assert stats["entries"] == 6 and stats["with_pose"] == 5 and stats["robots"] == 2 and stats["bytes"] > 0
+    assert stats["backend"] == {"sqlite": "sqlite", "milvus": "milvus-lite"}[stores.backend]
     out = tmp_path / "out.jsonl"
-    assert cli(["export", str(path), "-o", str(out), "--no-embeddings"]) == 0
+    assert cli(name + ["export", path, "-o", str(out), "--no-embeddings"]) == 0
     assert len(out.read_text().splitlines()) == 6 and "embedding" not in out.read_text()
-    assert cli(["prune", str(path), "--max-count", "4"]) == 0
+    assert cli(name + ["prune", path, "--max-count", "4"]) == 0
     assert "removed 2 entries" in capsys.readouterr().out
-    assert cli(["query", str(tmp_path / "missing.db")]) == 1
+    prefix = "milvus:" if stores.backend == "milvus" else ""
+    assert cli(name + ["query", prefix + str(tmp_path / "missing.db")]) == 1
     assert "does not exist" in capsys.readouterr().err
-    assert cli(["query", str(path), "--near", "0", "0", "0"]) == 1
+    assert cli(name + ["query", path, "--near", "0", "0", "0"]) == 1
     assert "radius" in capsys.readouterr().err
 
 
