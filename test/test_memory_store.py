@@ -233,7 +233,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
-def test_kill_9_mid_write_loses_at_most_the_entry_being_written(tmp_path):
+def test_sqlite_kill_9_mid_write_loses_at_most_the_entry_being_written(tmp_path):
     path = tmp_path / "killed.db"
     process = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -333,3 +333,162 @@ def test_writer_drops_and_counts_beyond_its_queue_then_stores_what_is_queued(tmp
     assert writer.written == 3
     with SqliteMemoryStore(tmp_path / "slow.db") as store:
         assert sorted(r.entry_id for r in store.records()) == ["a", "b", "c"]
+
+
+def test_store_locations_pick_the_backend():
+    assert parse_location("runs/memory.db") == ("sqlite", "runs/memory.db")          # as every earlier release
+    assert parse_location("sqlite:runs/m.db") == ("sqlite", "runs/m.db")
+    assert parse_location("milvus:runs/m.db") == ("milvus", "runs/m.db")
+    assert parse_location("http://milvus:19530") == ("milvus", "http://milvus:19530")
+    assert parse_location("milvus:https://milvus:443/robots") == ("milvus", "https://milvus:443/robots")
+    for bad in ("", "  ", "milvus:", "sqlite: "):
+        with pytest.raises(ValueError, match="empty|names no"):
+            parse_location(bad)
+
+
+# ---- Milvus's own promises and limits ----------------------------------------------------------------------
+
+_MILVUS_WRITER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from oxygen_ros.memory import MemoryRecord, Pose
+    from oxygen_ros.memory.milvus_store import MilvusMemoryStore
+    store = MilvusMemoryStore(sys.argv[1])
+    i = 0
+    while True:
+        store.insert([MemoryRecord(f"e{i}", float(i), f"caption number {i}", "r1", "", ("cam",),
+                                   Pose("map", (float(i), 0.0, 0.0)), np.full(512, i + 1, np.float32))])
+        print(i, flush=True)     # written
+        i += 1
+""")
+
+
+def test_milvus_lite_kill_9_mid_write_keeps_every_reported_insert_and_refuses_a_second_process(tmp_path):
+    """milvus-lite writes each insert to its log and flushes it to the OS before returning (no fsync: a process
+    crash keeps it, a power loss may not); one process at a time opens a data directory."""
+    from oxygen_ros.memory.milvus_store import MilvusMemoryStore, MilvusStoreError
+
+    path = tmp_path / "killed.db"
+    process = subprocess.Popen([sys.executable, "-c", _MILVUS_WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        committed = -1
+        for line in process.stdout:
+            committed = int(line)
+            if committed == 5:
+                with pytest.raises(MilvusStoreError, match="open in another process"):
+                    MilvusMemoryStore(str(path))
+            if committed >= 40:
+                break
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        process.stdout.close()
+    assert committed >= 40
+    with MilvusMemoryStore(str(path)) as store:
+        ids = {r.entry_id for r in store.records(embeddings=False)}
+        assert {f"e{i}" for i in range(committed + 1)} <= ids
+        assert "e7" in _ids(store.query(MemoryQuery(text="7", k=100)))
+        [e7] = store.get(["e7"])
+        np.testing.assert_array_equal(e7.embedding, np.full(512, 8, np.float32))
+        assert _ids(store.query(MemoryQuery(embedding=np.full(512, 1, np.float32), near=(7.0, 0.0, 0.0),
+                                            radius_m=0.5))) == ["e7"]
+        store.insert([_record("after", 1e6, "written after the crash")])
+        assert store.count() == len(ids) + 1
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_milvus_server_uri_shares_one_collection_between_robots(tmp_path):
+    """The server path (``http://HOST:PORT``) through milvus-lite's own gRPC server, in a process of its own:
+    two clients (two robots' nodes) on one collection see each other's entries."""
+    from oxygen_ros.memory import open_store
+
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-u", "-m", "milvus_lite", "server", "--data-dir",
+                               str(tmp_path / "server"), "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        banner = server.stdout.readline()
+        assert "listening" in banner, banner
+        uri = f"http://127.0.0.1:{port}"
+        with open_store(uri, synchronous="normal", collection="robots") as one, \
+                open_store(f"milvus:{uri}", synchronous="normal", collection="robots") as two:
+            one.insert(ENTRIES[:4])
+            two.insert(ENTRIES[4:])
+            assert one.count() == two.count() == len(ENTRIES)
+            assert _ids(two.query(MemoryQuery(text="red cube", near=(10.0, 0.0, 0.0), radius_m=1.0))) == ["d"]
+            assert _ids(one.query(MemoryQuery(near=(10.0, 0.0, 0.0), radius_m=1.0, robot="r2"))) == ["e"]
+            assert _ids(one.query(MemoryQuery(embedding=np.array([1.0, 0.05, 0.0], np.float32), k=2))) == ["a", "b"]
+            assert two.prune(RetentionPolicy(max_count=4))["count"] == 2
+            assert sorted(r.entry_id for r in one.records()) == ["c", "d", "e", "f"]
+            stats = one.stats()
+            assert stats["backend"] == "milvus" and stats["bytes"] is None and stats["entries"] == 4
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        server.stdout.close()
+
+
+def test_milvus_refuses_bad_locations_and_settings_with_the_reason(tmp_path, milvus_dir, monkeypatch):
+    from oxygen_ros.memory import open_store
+    from oxygen_ros.memory.milvus_store import MilvusMemoryStore, MilvusStoreError
+
+    with pytest.raises(ValueError, match="credentials"):
+        open_store("http://user:secret@127.0.0.1:19530", synchronous="normal")
+    with pytest.raises(ValueError, match=r"end in \.db"):
+        open_store("milvus:runs/memory", synchronous="normal")
+    with pytest.raises(ValueError, match="synchronous 'full'"):
+        open_store(f"milvus:{milvus_dir}")
+    with pytest.raises(ValueError, match="collection name"):
+        MilvusMemoryStore(str(milvus_dir), collection="robot-1")
+    SqliteMemoryStore(tmp_path / "sqlite.db").close()
+    with pytest.raises(ValueError, match="not a milvus-lite directory"):
+        MilvusMemoryStore(str(tmp_path / "sqlite.db"))
+    # a collection that is not a memory store is left alone
+    from pymilvus import MilvusClient
+
+    other = MilvusClient(str(milvus_dir))
+    other.create_collection("somebody_elses", dimension=4)
+    with pytest.raises(ValueError, match="not a memory store"):
+        MilvusMemoryStore(str(milvus_dir), collection="somebody_elses")
+    # no server: a clear error within the timeout, not a hang; the token comes from the environment only
+    monkeypatch.setenv("OXYGEN_MILVUS_TOKEN", "root:Milvus")
+    with pytest.raises(MilvusStoreError, match="127.0.0.1"):
+        MilvusMemoryStore(f"http://127.0.0.1:{_free_port()}", timeout_s=2.0)
+
+
+def test_milvus_limits_and_filter_literals(milvus_dir):
+    from oxygen_ros.memory.milvus_store import MAX_K, MAX_TEXT_BYTES, MilvusMemoryStore
+
+    with MilvusMemoryStore(str(milvus_dir), collection="limits") as store:
+        store.insert(ENTRIES)
+        # a batch with a value Milvus cannot hold is refused whole, before anything is written
+        with pytest.raises(ValueError, match="text is 65536 bytes"):
+            store.insert([_record("g", 70.0, "fits"), _record("h", 80.0, "x" * (MAX_TEXT_BYTES + 1))])
+        with pytest.raises(ValueError, match="width 2..32768"):
+            store.insert([_record("g", 70.0, "fits", embedding=[1.0])])
+        assert store.count() == len(ENTRIES) and store.get(["g"]) == []
+        with pytest.raises(ValueError, match=f"<= {MAX_K}"):
+            store.query(MemoryQuery(k=MAX_K + 1))
+        # quotes, backslashes and newlines in ids and robots are literals of the filter, not its syntax
+        odd = [_record('say "hi"\\', 90.0, "an odd robot's entry", (0.0, 0.0, 0.0), robot='r"2\\\n or true'),
+               _record("it's", 91.0, "another odd one", robot="r1")]
+        store.insert(odd)
+        assert _ids(store.query(MemoryQuery(robot='r"2\\\n or true'))) == ['say "hi"\\']
+        assert [r.entry_id for r in store.get(["it's", 'say "hi"\\', "nobody"])] == ["it's", 'say "hi"\\']
+        assert store.prune(RetentionPolicy(max_count=len(ENTRIES)))["count"] == 2
+        assert store.get(["it's", 'say "hi"\\']) == []
+        # an entry replaced without its embedding leaves no embedding behind
+        store.insert([_record("a", 10.0, "a red cube on the kitchen counter", (0.0, 0.0, 0.0))])
+        assert store.get(["a"])[0].embedding is None
+        assert "a" not in _ids(store.query(MemoryQuery(embedding=np.array([1.0, 0.0, 0.0], np.float32))))

@@ -137,6 +137,8 @@ class MilvusMemoryStore(MemoryStore):
                 raise ValueError(f"{self.lite} is a file, not a milvus-lite directory (a SQLite store? use "
                                  f"sqlite:{self.lite})")
             with _LITE_LOCK:
+                if not _LITE_USERS.get(str(self.lite)):
+                    _check_unlocked(self.lite)
                 _LITE_USERS[str(self.lite)] = _LITE_USERS.get(str(self.lite), 0) + 1
         try:
             self._client = self._call(pymilvus.MilvusClient, str(self.lite) if self.lite else self.uri,
@@ -565,6 +567,25 @@ class MilvusMemoryStore(MemoryStore):
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"the memory store {self._where()} ({self.collection}) is closed")
+
+
+def _check_unlocked(directory: Path) -> None:
+    """Raise MilvusStoreError when another process holds milvus-lite's lock of ``directory`` (an advisory
+    ``flock`` of ``directory/LOCK`` while a process has it open): milvus-lite opens a data directory in one
+    process at a time, and its own refusal reaches the client only as "Open local milvus failed"."""
+    lock = directory / "LOCK"
+    if not lock.is_file():
+        return
+    import fcntl
+
+    with open(lock, "a+b") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MilvusStoreError(f"milvus-lite {directory} is open in another process (one process at a time): "
+                                   "stop it, or serve the directory with `milvus-lite server` and use its "
+                                   "http:// URI from every process") from None
+        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def _descending(text: str) -> tuple[int, ...]:
