@@ -410,12 +410,16 @@ def test_milvus_server_uri_shares_one_collection_between_robots(tmp_path):
     from oxygen_ros.memory import open_store
 
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-u", "-m", "milvus_lite", "server", "--data-dir",
-                               str(tmp_path / "server"), "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "server.log"
+    with log.open("w") as out:      # a file, not a pipe: a pipe nobody reads would stop a talkative server
+        server = subprocess.Popen([sys.executable, "-u", "-m", "milvus_lite", "server", "--data-dir",
+                                   str(tmp_path / "server"), "--host", "127.0.0.1", "--port", str(port)],
+                                  stdout=out, stderr=subprocess.STDOUT)
     try:
-        banner = server.stdout.readline()
-        assert "listening" in banner, banner
+        deadline = time.monotonic() + 60.0
+        while "listening" not in log.read_text() and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "listening" in log.read_text(), log.read_text()
         uri = f"http://127.0.0.1:{port}"
         with open_store(uri, synchronous="normal", collection="robots") as one, \
                 open_store(f"milvus:{uri}", synchronous="normal", collection="robots") as two:
@@ -436,7 +440,6 @@ def test_milvus_server_uri_shares_one_collection_between_robots(tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
-        server.stdout.close()
 
 
 def test_milvus_refuses_bad_locations_and_settings_with_the_reason(tmp_path, milvus_dir, monkeypatch):
@@ -459,7 +462,7 @@ def test_milvus_refuses_bad_locations_and_settings_with_the_reason(tmp_path, mil
 
     other = MilvusClient(str(milvus_dir))
     other.create_collection("somebody_elses", dimension=4)
-    with pytest.raises(ValueError, match="not a memory store"):
+    with pytest.raises(ValueError, match="not a memory store of schema version 1"):
         MilvusMemoryStore(str(milvus_dir), collection="somebody_elses")
     # no server: a clear error within the timeout, not a hang; the token comes from the environment only
     monkeypatch.setenv("OXYGEN_MILVUS_TOKEN", "root:Milvus")
@@ -481,8 +484,8 @@ def test_milvus_limits_and_filter_literals(milvus_dir):
         with pytest.raises(ValueError, match=f"<= {MAX_K}"):
             store.query(MemoryQuery(k=MAX_K + 1))
         # quotes, backslashes and newlines in ids and robots are literals of the filter, not its syntax
-        odd = [_record('say "hi"\\', 90.0, "an odd robot's entry", (0.0, 0.0, 0.0), robot='r"2\\\n or true'),
-               _record("it's", 91.0, "another odd one", robot="r1")]
+        odd = [_record('say "hi"\\', 1.0, "an odd robot's entry", (0.0, 0.0, 0.0), robot='r"2\\\n or true'),
+               _record("it's", 2.0, "another odd one", robot="r1")]
         store.insert(odd)
         assert _ids(store.query(MemoryQuery(robot='r"2\\\n or true'))) == ['say "hi"\\']
         assert [r.entry_id for r in store.get(["it's", 'say "hi"\\', "nobody"])] == ["it's", 'say "hi"\\']

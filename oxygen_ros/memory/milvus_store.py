@@ -8,7 +8,7 @@ One :class:`MilvusMemoryStore` talks to Milvus through pymilvus's ``MilvusClient
   ``milvus-lite server``); the token, when the server wants one, comes from the environment variable
   ``OXYGEN_MILVUS_TOKEN`` (never from a parameter, so that it does not show in logs).
 
-Layout (schema version :data:`SCHEMA_VERSION`, in the collection's description):
+Layout (schema version :data:`SCHEMA_VERSION`: its field names and types, checked when a collection is opened):
 
 * collection ``<collection>``: one row per record — ``entry_id`` (VARCHAR primary key), ``stamp_s``, ``robot``,
   ``text`` (VARCHAR analysed by Milvus's ``standard`` analyzer, the input of a BM25 function), ``sparse`` (the
@@ -165,13 +165,30 @@ class MilvusMemoryStore(MemoryStore):
     def _open_collection(self) -> None:
         if self._call(self._client.has_collection, self.collection, timeout=self.timeout_s):
             description = self._call(self._client.describe_collection, self.collection, timeout=self.timeout_s)
-            found = description.get("description", "")
-            if found != _DESCRIPTION:
+            found = [(f["name"], int(f["type"])) for f in description.get("fields", [])]
+            if found != self._layout():
                 raise ValueError(f"the Milvus collection {self.collection!r} ({self._where()}) is not a memory "
-                                 f"store of schema version {SCHEMA_VERSION} (its description: {found!r})")
+                                 f"store of schema version {SCHEMA_VERSION} (its fields: {[n for n, _ in found]})")
         else:
             self._create_main()
         self._call(self._client.load_collection, self.collection, timeout=self.timeout_s)
+        prefix = self._embedding_collection(0)[:-1]
+        for name in self._call(self._client.list_collections, timeout=self.timeout_s):
+            if name.startswith(prefix) and name[len(prefix):].isdigit():
+                self._call(self._client.load_collection, name, timeout=self.timeout_s)
+
+    @staticmethod
+    def _layout() -> list[tuple[str, int]]:
+        """The main collection's ``(field name, Milvus type)`` list: the schema version's mark (milvus-lite keeps
+        no collection description)."""
+        data_type = _milvus().DataType
+        types = {"entry_id": data_type.VARCHAR, "stamp_s": data_type.DOUBLE, "robot": data_type.VARCHAR,
+                 "text": data_type.VARCHAR, "sparse": data_type.SPARSE_FLOAT_VECTOR,
+                 "instruction": data_type.VARCHAR, "camera_names": data_type.VARCHAR, "has_pose": data_type.BOOL,
+                 "frame_id": data_type.VARCHAR, "embedding_width": data_type.INT64}
+        order = ["entry_id", "stamp_s", "robot", "text", "sparse", "instruction", "camera_names", "has_pose",
+                 "frame_id", "x", "y", "z", "qx", "qy", "qz", "qw", "pose_stamp_s", "embedding_width"]
+        return [(name, int(types.get(name, data_type.DOUBLE))) for name in order]
 
     def _create_main(self) -> None:
         pymilvus = _milvus()
@@ -195,8 +212,7 @@ class MilvusMemoryStore(MemoryStore):
                                               input_field_names=["text"], output_field_names=["sparse"]))
         index = self._client.prepare_index_params()
         index.add_index(field_name="sparse", index_type="SPARSE_INVERTED_INDEX", metric_type="BM25")
-        self._call(self._client.create_collection, self.collection, schema=schema, index_params=index,
-                   timeout=self.timeout_s)
+        self._create(self.collection, schema, index)
 
     def _embedding_collection(self, width: int) -> str:
         return f"{self.collection}_embedding_{width}"
@@ -216,8 +232,15 @@ class MilvusMemoryStore(MemoryStore):
         schema.add_field("embedding", data_type.FLOAT_VECTOR, dim=width)
         index = self._client.prepare_index_params()
         index.add_index(field_name="embedding", index_type="FLAT", metric_type="COSINE")
-        self._call(self._client.create_collection, name, schema=schema, index_params=index, timeout=self.timeout_s)
+        self._create(name, schema, index)
         self._call(self._client.load_collection, name, timeout=self.timeout_s)
+
+    def _create(self, name: str, schema, index) -> None:
+        """Create collection ``name`` and its index. A server's index is waited for; milvus-lite builds it
+        at once and lacks the call pymilvus's wait starts with (AllocTimestamp: an error logged, then 0.5 s
+        polls)."""
+        self._call(self._client.create_collection, name, schema=schema, timeout=self.timeout_s)
+        self._call(self._client.create_index, name, index, timeout=self.timeout_s, sync=self.lite is None)
 
     def _has(self, name: str) -> bool:
         return bool(self._call(self._client.has_collection, name, timeout=self.timeout_s))
@@ -356,17 +379,21 @@ class MilvusMemoryStore(MemoryStore):
     # ---- reading ----------------------------------------------------------------------------------
 
     def _scan(self, expr: str, fields: list[str], collection: str | None = None) -> Iterator[dict]:
-        """Every row of ``collection`` (default: the main one) passing ``expr``, with ``fields``."""
-        iterator = self._call(self._client.query_iterator, collection or self.collection, batch_size=_PAGE,
-                              filter=expr, output_fields=fields, timeout=self.timeout_s)
-        try:
-            while True:
-                page = self._call(iterator.next)
-                if not page:
-                    return
-                yield from page
-        finally:
-            iterator.close()
+        """Every row of ``collection`` (default: the main one) passing ``expr``, with ``fields``: pages of
+        :data:`_PAGE` rows in primary-key order, each after the last id of the one before (pymilvus's own
+        query iterator writes that id into its filter unescaped, and an id with a quote breaks it)."""
+        fields = list(dict.fromkeys(["entry_id", *fields]))
+        last = None
+        while True:
+            clauses = [] if last is None else [f"entry_id > {_string(last)}"]
+            if expr:
+                clauses.append(f"({expr})")
+            page = self._call(self._client.query, collection or self.collection, filter=" and ".join(clauses),
+                              output_fields=fields, limit=_PAGE, iterator="True", timeout=self.timeout_s)
+            yield from page
+            if len(page) < _PAGE:
+                return
+            last = page[-1]["entry_id"]
 
     @staticmethod
     def _filters(query: MemoryQuery) -> str | None:
@@ -461,7 +488,10 @@ class MilvusMemoryStore(MemoryStore):
             answer = self._call(self._client.search, collection, data=[data], anns_field=field, limit=k,
                                 filter=chunk, output_fields=["stamp_s"], timeout=self.timeout_s)
             for hit in answer[0]:
-                results.append((hit["id"], float(hit["distance"]), float(hit["entity"]["stamp_s"])))
+                score = float(hit["distance"])
+                # BM25 scores are >= 0; Milvus answers the score, milvus-lite 3.2.2 its negative
+                results.append((hit["entry_id"], abs(score) if field == "sparse" else score,
+                                float(hit["entity"]["stamp_s"])))
         best = heapq.nsmallest(k, results, key=lambda r: (-r[1], -r[2], r[0]))
         return [(entry_id, score) for entry_id, score, _ in best]
 
