@@ -495,3 +495,11 @@ def test_milvus_limits_and_filter_literals(milvus_dir):
         store.insert([_record("a", 10.0, "a red cube on the kitchen counter", (0.0, 0.0, 0.0))])
         assert store.get(["a"])[0].embedding is None
         assert "a" not in _ids(store.query(MemoryQuery(embedding=np.array([1.0, 0.0, 0.0], np.float32))))
+        # the word counts of the BM25 word rule follow every insert, replacement and removal
+        from collections import Counter
+
+        from oxygen_ros.memory.milvus_store import _words
+
+        expected = Counter(w for r in store.records(embeddings=False) for w in _words(r.text))
+        counted = {row["word"]: row["entries"] for row in store._scan("", ["entries"], store._vocabulary(), key="word")}
+        assert counted == dict(expected)

@@ -18,7 +18,9 @@ Layout (schema version :data:`SCHEMA_VERSION`: its field names and types, checke
 * collection ``<collection>_embedding_<width>`` per embedding width: ``entry_id``, the filter fields (``stamp_s``,
   ``robot``, ``has_pose``, ``x y z``) and ``embedding`` (FLOAT_VECTOR, a FLAT index: exact cosine, as the SQLite
   store's scan). An entry counts as stored once its row in ``<collection>`` is written (its embedding row is
-  written first; one without a main row is never returned).
+  written first; one without a main row is never returned);
+* collection ``<collection>_words``: per caption word, how many entries hold it (updated after each write): the
+  document frequencies of the BM25 word rule, which Milvus's API does not give.
 
 Queries answer as :class:`~oxygen_ros.memory.sqlite_store.SqliteMemoryStore` does (the filters, the ranking, the
 BM25 word rule of :class:`~oxygen_ros.memory.records.MemoryQuery`); docs/memory.md lists where they differ (BM25's
@@ -33,6 +35,7 @@ import math
 import os
 import re
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
 from urllib.parse import urlparse
@@ -172,6 +175,9 @@ class MilvusMemoryStore(MemoryStore):
         else:
             self._create_main()
         self._call(self._client.load_collection, self.collection, timeout=self.timeout_s)
+        if not self._has(self._vocabulary()):
+            self._create_vocabulary()
+        self._call(self._client.load_collection, self._vocabulary(), timeout=self.timeout_s)
         prefix = self._embedding_collection(0)[:-1]
         for name in self._call(self._client.list_collections, timeout=self.timeout_s):
             if name.startswith(prefix) and name[len(prefix):].isdigit():
@@ -213,6 +219,23 @@ class MilvusMemoryStore(MemoryStore):
         index = self._client.prepare_index_params()
         index.add_index(field_name="sparse", index_type="SPARSE_INVERTED_INDEX", metric_type="BM25")
         self._create(self.collection, schema, index)
+
+    def _vocabulary(self) -> str:
+        return f"{self.collection}_words"
+
+    def _create_vocabulary(self) -> None:
+        """``<collection>_words``: per caption word, the number of entries whose caption holds it (the
+        document frequency the BM25 word rule needs; Milvus's API gives none). ``unused`` is there because a
+        Milvus collection needs a vector field."""
+        pymilvus = _milvus()
+        data_type = pymilvus.DataType
+        schema = pymilvus.MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("word", data_type.VARCHAR, max_length=MAX_ID_BYTES, is_primary=True)
+        schema.add_field("entries", data_type.INT64)
+        schema.add_field("unused", data_type.FLOAT_VECTOR, dim=2)
+        index = self._client.prepare_index_params()
+        index.add_index(field_name="unused", index_type="FLAT", metric_type="L2")
+        self._create(self._vocabulary(), schema, index)
 
     def _embedding_collection(self, width: int) -> str:
         return f"{self.collection}_embedding_{width}"
@@ -260,7 +283,7 @@ class MilvusMemoryStore(MemoryStore):
                      "embedding": np.asarray(record.embedding, np.float32).ravel().tolist()})
         with self._write_lock:
             self._check_open()
-            old = self._widths([row["entry_id"] for row in rows])
+            old = self._stored([row["entry_id"] for row in rows])
             for width, side in embedded.items():
                 if not self._has(self._embedding_collection(width)):
                     self._create_embedding(width)
@@ -271,11 +294,17 @@ class MilvusMemoryStore(MemoryStore):
                 self._call(self._client.upsert, self.collection, rows[start:start + _PAGE], timeout=self.timeout_s)
             stale: dict[int, list[str]] = {}
             for row in rows:
-                width = old.get(row["entry_id"], 0)
+                width = old[row["entry_id"]][0] if row["entry_id"] in old else 0
                 if width and width != row["embedding_width"]:
                     stale.setdefault(width, []).append(row["entry_id"])
             for width, ids in stale.items():
                 self._delete(self._embedding_collection(width), ids)
+            change: Counter = Counter()
+            for row in rows:
+                change.update(_words(row["text"]))
+            for _, text in old.values():
+                change.subtract(_words(text))
+            self._count_words(change)
         return len(rows)
 
     @staticmethod
@@ -319,15 +348,45 @@ class MilvusMemoryStore(MemoryStore):
         row["embedding_width"] = width
         return row
 
-    def _widths(self, ids: list[str]) -> dict[str, int]:
-        """``entry_id -> embedding_width`` of the stored ones of ``ids``."""
+    def _stored(self, ids: list[str]) -> dict[str, tuple[int, str]]:
+        """``entry_id -> (embedding_width, text)`` of the stored ones of ``ids``."""
         found = {}
         for start in range(0, len(ids), _PAGE):
             chunk = ids[start:start + _PAGE]
             rows = self._call(self._client.query, self.collection, filter=_ids_expr(chunk),
-                              output_fields=["entry_id", "embedding_width"], timeout=self.timeout_s)
-            found.update((row["entry_id"], int(row["embedding_width"])) for row in rows)
+                              output_fields=["entry_id", "embedding_width", "text"], timeout=self.timeout_s)
+            found.update((row["entry_id"], (int(row["embedding_width"]), row["text"])) for row in rows)
         return found
+
+    def _word_counts(self, words: list[str]) -> dict[str, int]:
+        """``word -> entries`` of the vocabulary (words never counted left out)."""
+        counts = {}
+        for start in range(0, len(words), _PAGE):
+            expr = f"word in [{', '.join(_string(w) for w in words[start:start + _PAGE])}]"
+            rows = self._call(self._client.query, self._vocabulary(), filter=expr, output_fields=["word", "entries"],
+                              timeout=self.timeout_s)
+            counts.update((row["word"], int(row["entries"])) for row in rows)
+        return counts
+
+    def _count_words(self, change: Counter) -> None:
+        """Add ``change`` (word -> entries added, negative for removed) to the vocabulary's counts. A word count
+        is read, then written: two writers at once (two robots on one server) can lose one's change."""
+        change = {w: n for w, n in change.items() if n and len(w.encode("utf-8")) <= MAX_ID_BYTES}
+        if not change:
+            return
+        counts = self._word_counts(sorted(change))
+        rows, gone = [], []
+        for word, n in change.items():
+            total = counts.get(word, 0) + n
+            if total > 0:
+                rows.append({"word": word, "entries": total, "unused": [0.0, 0.0]})
+            elif word in counts:
+                gone.append(word)
+        for start in range(0, len(rows), _PAGE):
+            self._call(self._client.upsert, self._vocabulary(), rows[start:start + _PAGE], timeout=self.timeout_s)
+        for start in range(0, len(gone), _PAGE):
+            expr = f"word in [{', '.join(_string(w) for w in gone[start:start + _PAGE])}]"
+            self._call(self._client.delete, self._vocabulary(), filter=expr, timeout=self.timeout_s)
 
     def _delete(self, collection: str, ids: list[str]) -> None:
         for start in range(0, len(ids), _PAGE):
@@ -335,15 +394,18 @@ class MilvusMemoryStore(MemoryStore):
                        timeout=self.timeout_s)
 
     def _remove(self, ids: list[str]) -> None:
-        """Delete ``ids``: the main rows first (then they are gone), then their embedding rows."""
-        widths = self._widths(ids)
+        """Delete ``ids``: the main rows first (then they are gone), then their embedding rows and word counts."""
+        stored = self._stored(ids)
         self._delete(self.collection, ids)
         by_width: dict[int, list[str]] = {}
-        for entry_id, width in widths.items():
+        change: Counter = Counter()
+        for entry_id, (width, text) in stored.items():
             if width:
                 by_width.setdefault(width, []).append(entry_id)
+            change.subtract(_words(text))
         for width, chunk in by_width.items():
             self._delete(self._embedding_collection(width), chunk)
+        self._count_words(change)
 
     def prune(self, policy: RetentionPolicy, now_s: float | None = None) -> dict[str, int]:
         removed = {"age": 0, "count": 0, "duplicate": 0}
@@ -378,14 +440,16 @@ class MilvusMemoryStore(MemoryStore):
 
     # ---- reading ----------------------------------------------------------------------------------
 
-    def _scan(self, expr: str, fields: list[str], collection: str | None = None) -> Iterator[dict]:
-        """Every row of ``collection`` (default: the main one) passing ``expr``, with ``fields``: pages of
-        :data:`_PAGE` rows in primary-key order, each after the last id of the one before (pymilvus's own
-        query iterator writes that id into its filter unescaped, and an id with a quote breaks it)."""
-        fields = list(dict.fromkeys(["entry_id", *fields]))
+    def _scan(self, expr: str, fields: list[str], collection: str | None = None,
+              key: str = "entry_id") -> Iterator[dict]:
+        """Every row of ``collection`` (default: the main one; ``key`` its primary key) passing ``expr``, with
+        ``fields``: pages of :data:`_PAGE` rows in primary-key order, each after the last key of the one before
+        (pymilvus's own query iterator writes that key into its filter unescaped, and a key with a quote breaks
+        it)."""
+        fields = list(dict.fromkeys([key, *fields]))
         last = None
         while True:
-            clauses = [] if last is None else [f"entry_id > {_string(last)}"]
+            clauses = [] if last is None else [f"{key} > {_string(last)}"]
             if expr:
                 clauses.append(f"({expr})")
             page = self._call(self._client.query, collection or self.collection, filter=" and ".join(clauses),
@@ -393,7 +457,7 @@ class MilvusMemoryStore(MemoryStore):
             yield from page
             if len(page) < _PAGE:
                 return
-            last = page[-1]["entry_id"]
+            last = page[-1][key]
 
     @staticmethod
     def _filters(query: MemoryQuery) -> str | None:
@@ -459,20 +523,15 @@ class MilvusMemoryStore(MemoryStore):
 
     def _weighted_terms(self, text: str) -> list[str]:
         """The words of a text query worth matching (as the SQLite store: those in fewer than half of the
-        entries; all of them when every one is such a word), split and lower-cased as milvus-lite's standard
-        analyzer does."""
-        terms = sorted(set(_WORD.findall(text.lower())))
+        entries, by the vocabulary's counts; all of them when every one is such a word), split and lower-cased
+        as milvus-lite's standard analyzer does."""
+        terms = sorted(_words(text))
         if not terms:
             return terms
         total = self.count()
-        weighted = [t for t in terms if 2 * self._document_count(t) < total]
+        counts = self._word_counts(terms)
+        weighted = [t for t in terms if 2 * counts.get(t, 0) < total]
         return weighted or terms
-
-    def _document_count(self, term: str) -> int:
-        """How many entries' captions hold ``term`` (Milvus's ``text_match`` on the analysed caption)."""
-        rows = self._call(self._client.query, self.collection, filter=f"text_match(text, {_string(term)})",
-                          output_fields=["count(*)"], timeout=self.timeout_s)
-        return int(rows[0]["count(*)"])
 
     def _ranked(self, collection: str, field: str, data, expr: str, k: int,
                 candidates: dict[str, float] | None) -> list[tuple[str, float]]:
@@ -597,6 +656,12 @@ class MilvusMemoryStore(MemoryStore):
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"the memory store {self._where()} ({self.collection}) is closed")
+
+
+def _words(text: str) -> set[str]:
+    """The words of ``text`` as milvus-lite's standard analyzer splits them: ``\\w+`` runs of the lower-cased
+    text."""
+    return set(_WORD.findall(text.lower()))
 
 
 def _check_unlocked(directory: Path) -> None:
