@@ -56,6 +56,10 @@ _DESCRIPTION = f"oxygen_ros memory store, schema {SCHEMA_VERSION}"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 _WORD = re.compile(r"\w+", re.UNICODE)   # milvus-lite's standard analyzer: \w+ runs of the lower-cased text
 _PAGE = 4096                             # rows per query page / ids per filter list
+# milvus-lite searches the rows of its in-memory table (up to 128 MiB of them before it writes a segment) by brute
+# force, every query (0.5 s for a BM25 search of 10^4 rows here, 0.02 s once they are in an indexed segment): a
+# milvus-lite store flushes a collection after this many rows were written to it
+LITE_FLUSH_ROWS = 1024
 _FIELDS = ["entry_id", "stamp_s", "robot", "text", "instruction", "camera_names", "has_pose", "frame_id",
            "x", "y", "z", "qx", "qy", "qz", "qw", "pose_stamp_s", "embedding_width"]
 _EMBEDDING_FIELDS = ["entry_id", "stamp_s", "robot", "has_pose", "x", "y", "z", "embedding"]
@@ -131,6 +135,7 @@ class MilvusMemoryStore(MemoryStore):
         self.uri, self.collection, self.timeout_s = str(uri), collection, float(timeout_s)
         self.lite = lite_path(self.uri)
         self._write_lock = threading.Lock()
+        self._unflushed: dict[str, int] = {}
         self._closed = True
         token = "" if self.lite is not None else os.environ.get(TOKEN_ENV, "")
         pymilvus = _milvus()
@@ -305,7 +310,21 @@ class MilvusMemoryStore(MemoryStore):
             for _, text in old.values():
                 change.subtract(_words(text))
             self._count_words(change)
+            self._written(self.collection, len(rows))
+            self._written(self._vocabulary(), len(change))
+            for width, side in embedded.items():
+                self._written(self._embedding_collection(width), len(side))
         return len(rows)
+
+    def _written(self, collection: str, rows: int) -> None:
+        """Count ``rows`` written to ``collection``; milvus-lite: flush it (a segment, indexed) at
+        :data:`LITE_FLUSH_ROWS`."""
+        if self.lite is None:
+            return
+        self._unflushed[collection] = self._unflushed.get(collection, 0) + rows
+        if self._unflushed[collection] >= LITE_FLUSH_ROWS:
+            self._call(self._client.flush, collection, timeout=self.timeout_s)
+            self._unflushed[collection] = 0
 
     @staticmethod
     def _row(record: MemoryRecord) -> dict:
