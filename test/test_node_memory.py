@@ -299,8 +299,8 @@ def test_a_milvus_store_behind_the_same_service(tmp_path):
         answer = _query(h, k=1000)
         assert answer.success and [_seconds(e.header.stamp) for e in answer.entries] == \
             sorted((_seconds(e.header.stamp) for e in answer.entries), reverse=True)
-        words = answer.entries[0].text.split()
-        if words:
+        words = re.findall(r"\w+", answer.entries[0].text.lower())
+        if words:       # a caption of the random-weight model may hold no word
             assert answer.entries[0].entry_id in {e.entry_id for e in _query(h, text=words[0], k=1000).entries}
         assert h.change_state("deactivate") and h.change_state("cleanup")
         with MilvusMemoryStore(str(location), collection="robot_one") as store:    # closed by cleanup
