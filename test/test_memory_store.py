@@ -433,6 +433,7 @@ def test_milvus_server_uri_shares_one_collection_between_robots(tmp_path):
             assert sorted(r.entry_id for r in one.records()) == ["c", "d", "e", "f"]
             stats = one.stats()
             assert stats["backend"] == "milvus" and stats["bytes"] is None and stats["entries"] == 4
+            assert stats["server_version"].startswith("milvus_lite") and one.lite_engine     # flushed as embedded
     finally:
         server.terminate()
         try:

@@ -58,7 +58,8 @@ _WORD = re.compile(r"\w+", re.UNICODE)   # milvus-lite's standard analyzer: \w+ 
 _PAGE = 4096                             # rows per query page / ids per filter list
 # milvus-lite searches the rows of its in-memory table (up to 128 MiB of them before it writes a segment) by brute
 # force, every query (0.5 s for a BM25 search of 10^4 rows here, 0.02 s once they are in an indexed segment): a
-# milvus-lite store flushes a collection after this many rows were written to it
+# store on milvus-lite (embedded, or behind `milvus-lite server`) flushes a collection after this many rows were
+# written to it
 LITE_FLUSH_ROWS = 1024
 _FIELDS = ["entry_id", "stamp_s", "robot", "text", "instruction", "camera_names", "has_pose", "frame_id",
            "x", "y", "z", "qx", "qy", "qz", "qw", "pose_stamp_s", "embedding_width"]
@@ -151,6 +152,9 @@ class MilvusMemoryStore(MemoryStore):
         try:
             self._client = self._call(pymilvus.MilvusClient, str(self.lite) if self.lite else self.uri,
                                       token=token, timeout=self.timeout_s)
+            self.server_version = str(self._call(self._client.get_server_version, timeout=self.timeout_s))
+            # milvus-lite, embedded or behind its `milvus-lite server` ("milvus_lite-3.2.2"): flushed by the store
+            self.lite_engine = self.lite is not None or self.server_version.startswith("milvus_lite")
             self._closed = False
             self._open_collection()
         except BaseException:
@@ -264,11 +268,11 @@ class MilvusMemoryStore(MemoryStore):
         self._call(self._client.load_collection, name, timeout=self.timeout_s)
 
     def _create(self, name: str, schema, index) -> None:
-        """Create collection ``name`` and its index. A server's index is waited for; milvus-lite builds it
-        at once and lacks the call pymilvus's wait starts with (AllocTimestamp: an error logged, then 0.5 s
+        """Create collection ``name`` and its index. A Milvus server's index is waited for; milvus-lite builds
+        it at once and lacks the call pymilvus's wait starts with (AllocTimestamp: an error logged, then 0.5 s
         polls)."""
         self._call(self._client.create_collection, name, schema=schema, timeout=self.timeout_s)
-        self._call(self._client.create_index, name, index, timeout=self.timeout_s, sync=self.lite is None)
+        self._call(self._client.create_index, name, index, timeout=self.timeout_s, sync=not self.lite_engine)
 
     def _has(self, name: str) -> bool:
         return bool(self._call(self._client.has_collection, name, timeout=self.timeout_s))
@@ -317,9 +321,9 @@ class MilvusMemoryStore(MemoryStore):
         return len(rows)
 
     def _written(self, collection: str, rows: int) -> None:
-        """Count ``rows`` written to ``collection``; milvus-lite: flush it (a segment, indexed) at
-        :data:`LITE_FLUSH_ROWS`."""
-        if self.lite is None:
+        """Count ``rows`` written to ``collection``; milvus-lite (embedded or its server): flush it (a segment,
+        indexed) at :data:`LITE_FLUSH_ROWS`. A Milvus server seals and indexes its segments itself."""
+        if not self.lite_engine:
             return
         self._unflushed[collection] = self._unflushed.get(collection, 0) + rows
         if self._unflushed[collection] >= LITE_FLUSH_ROWS:
@@ -645,7 +649,7 @@ class MilvusMemoryStore(MemoryStore):
         if self.lite is not None:
             size = sum(p.stat().st_size for p in self.lite.rglob("*") if p.is_file())
         return {"backend": "milvus-lite" if self.lite is not None else "milvus", "uri": self._where(),
-                "collection": self.collection, "entries": entries, "with_pose": with_pose,
+                "server_version": self.server_version, "collection": self.collection, "entries": entries, "with_pose": with_pose,
                 "with_embedding": embedded, "robots": len(robots), "oldest_s": oldest, "newest_s": newest,
                 "bytes": size}
 
