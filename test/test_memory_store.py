@@ -233,13 +233,15 @@ _WRITER = textwrap.dedent("""
 """)
 
 
-def test_sqlite_kill_9_mid_write_loses_at_most_the_entry_being_written(tmp_path):
-    path = tmp_path / "killed.db"
-    process = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+def _killed_writer(script, path, meanwhile=lambda committed: None):
+    """Run the writer ``script`` on ``path`` (it prints the index of each insert once it returned) and SIGKILL it
+    after 40 inserts; ``meanwhile(index)`` runs as each is reported. Returns the last index reported."""
+    process = subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE, text=True)
     try:
         committed = -1
         for line in process.stdout:
             committed = int(line)
+            meanwhile(committed)
             if committed >= 40:
                 break
     finally:
@@ -247,6 +249,12 @@ def test_sqlite_kill_9_mid_write_loses_at_most_the_entry_being_written(tmp_path)
         process.wait()
         process.stdout.close()
     assert committed >= 40
+    return committed
+
+
+def test_sqlite_kill_9_mid_write_loses_at_most_the_entry_being_written(tmp_path):
+    path = tmp_path / "killed.db"
+    committed = _killed_writer(_WRITER, path)
     with SqliteMemoryStore(path) as store:
         ids = {r.entry_id for r in store.records(embeddings=False)}
         # every insert reported committed is there; at most the ones after it (in flight or committed
@@ -368,22 +376,13 @@ def test_milvus_lite_kill_9_mid_write_keeps_every_reported_insert_and_refuses_a_
     crash keeps it, a power loss may not); one process at a time opens a data directory."""
     from oxygen_ros.memory.milvus_store import MilvusMemoryStore, MilvusStoreError
 
+    def second_process(committed):
+        if committed == 5:
+            with pytest.raises(MilvusStoreError, match="open in another process"):
+                MilvusMemoryStore(str(path))
+
     path = tmp_path / "killed.db"
-    process = subprocess.Popen([sys.executable, "-c", _MILVUS_WRITER, str(path)], stdout=subprocess.PIPE, text=True)
-    try:
-        committed = -1
-        for line in process.stdout:
-            committed = int(line)
-            if committed == 5:
-                with pytest.raises(MilvusStoreError, match="open in another process"):
-                    MilvusMemoryStore(str(path))
-            if committed >= 40:
-                break
-    finally:
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
-        process.stdout.close()
-    assert committed >= 40
+    committed = _killed_writer(_MILVUS_WRITER, path, second_process)
     with MilvusMemoryStore(str(path)) as store:
         ids = {r.entry_id for r in store.records(embeddings=False)}
         assert {f"e{i}" for i in range(committed + 1)} <= ids
