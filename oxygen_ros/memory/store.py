@@ -1,7 +1,8 @@
 """The memory store's interface and its retention policy (no rclpy).
 
 :class:`MemoryStore` is what the node, the CLI and a user's code talk to; :class:`~oxygen_ros.memory.sqlite_store.
-SqliteMemoryStore` is the embedded implementation (docs/memory.md says why SQLite). :class:`RetentionPolicy`
+SqliteMemoryStore` is the embedded implementation (docs/memory.md says why SQLite), :class:`~oxygen_ros.memory.
+milvus_store.MilvusMemoryStore` the one in Milvus (milvus-lite or a server). :class:`RetentionPolicy`
 says what :meth:`MemoryStore.prune` removes; :func:`near_duplicates` is its place-and-text rule, shared by every
 implementation.
 """
