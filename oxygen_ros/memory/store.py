@@ -123,9 +123,11 @@ class MemoryStore(abc.ABC):
 
     @abc.abstractmethod
     def insert(self, records: Iterable[MemoryRecord]) -> int:
-        """Store ``records`` in one transaction (all or none); a record whose ``entry_id`` is already stored
-        replaces it. Returns how many were stored. Raises the backend's error when it cannot write (disk
-        full, read-only file); nothing of the call is then stored."""
+        """Store ``records`` (SQLite: in one transaction, all or none; Milvus: one write per collection, the
+        entries last, see :class:`~oxygen_ros.memory.milvus_store.MilvusMemoryStore`); a record whose ``entry_id``
+        is already stored replaces it. Returns how many were stored. Raises ValueError for a record the backend
+        cannot hold (before anything is written), and the backend's error when it cannot write (disk full,
+        read-only file, an unreachable server)."""
 
     @abc.abstractmethod
     def query(self, query: MemoryQuery) -> list[Hit]:
@@ -143,7 +145,8 @@ class MemoryStore(abc.ABC):
     @abc.abstractmethod
     def prune(self, policy: RetentionPolicy, now_s: float | None = None) -> dict[str, int]:
         """Remove what ``policy`` says, ``now_s`` [s] being the present for ``max_age_s`` (None = the newest
-        stored stamp). Returns the number removed per rule (``age``, ``count``, ``duplicate``)."""
+        stored stamp); SQLite in one transaction, Milvus batch by batch. Returns the number removed per rule
+        (``age``, ``count``, ``duplicate``)."""
 
     @abc.abstractmethod
     def count(self) -> int:
