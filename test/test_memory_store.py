@@ -1,8 +1,13 @@
 """The memory store (oxygen_ros/memory): retrieval by text, time, place and robot on hand-made entries, the
-retention policy, export and import, durability across a reopen and a kill -9 in the middle of writing, the CLI."""
+retention policy, export and import, durability across a reopen and a kill -9 in the middle of writing, the CLI.
+
+The tests of what both backends promise alike run on each (``backend``: a SQLite file, and a collection of
+milvus-lite, Milvus's embedded engine, in one data directory per module: starting it costs about a second);
+SQLite's and Milvus's own promises (durability, the server path, their limits) have tests of their own."""
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import signal
@@ -14,8 +19,10 @@ import time
 import numpy as np
 import pytest
 
-from oxygen_ros.memory import MemoryQuery, MemoryRecord, Pose, RetentionPolicy, SqliteMemoryStore
+from oxygen_ros.memory import MemoryQuery, MemoryRecord, Pose, RetentionPolicy, SqliteMemoryStore, parse_location
 from oxygen_ros.memory.__main__ import main as cli
+
+BACKENDS = ("sqlite", "milvus")
 
 
 def _record(entry_id, stamp_s, text, xyz=None, robot="r1", embedding=None, frame="map"):
@@ -35,9 +42,50 @@ ENTRIES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def milvus_dir(tmp_path_factory):
+    """One milvus-lite data directory for the module, its engine kept running by a store held open."""
+    from oxygen_ros.memory.milvus_store import MilvusMemoryStore
+
+    path = tmp_path_factory.mktemp("milvus") / "memory.db"
+    with MilvusMemoryStore(str(path), collection="keep_running"):
+        yield path
+
+
+_TEST_NUMBER = itertools.count()
+
+
+class Stores:
+    """Opens stores of one backend: ``open(name)`` is the same store for the same name (within a test)."""
+
+    def __init__(self, backend, tmp_path, request):
+        self.backend, self.tmp_path, self._request = backend, tmp_path, request
+        self._prefix = f"t{next(_TEST_NUMBER)}_"
+
+    def location(self, name):
+        if self.backend == "sqlite":
+            return str(self.tmp_path / f"{name}.db")
+        return f"milvus:{self._request.getfixturevalue('milvus_dir')}"
+
+    def collection(self, name):
+        return self._prefix + name
+
+    def open(self, name="memory"):
+        if self.backend == "sqlite":
+            return SqliteMemoryStore(self.tmp_path / f"{name}.db")
+        from oxygen_ros.memory.milvus_store import MilvusMemoryStore
+
+        return MilvusMemoryStore(str(self._request.getfixturevalue("milvus_dir")), collection=self.collection(name))
+
+
+@pytest.fixture(params=BACKENDS)
+def stores(request, tmp_path):
+    return Stores(request.param, tmp_path, request)
+
+
 @pytest.fixture
-def store(tmp_path):
-    with SqliteMemoryStore(tmp_path / "memory.db") as s:
+def store(stores):
+    with stores.open() as s:
         s.insert(ENTRIES)
         yield s
 
@@ -117,8 +165,8 @@ def test_records_round_trip_with_pose_embedding_and_replacement(store):
     assert store.query(MemoryQuery(text="counter")) and "a" not in _ids(store.query(MemoryQuery(text="counter")))
 
 
-def test_prune_by_age_count_and_near_duplicates(tmp_path):
-    with SqliteMemoryStore(tmp_path / "prune.db") as store:
+def test_prune_by_age_count_and_near_duplicates(stores):
+    with stores.open("prune") as store:
         store.insert(ENTRIES)
         assert store.prune(RetentionPolicy(max_age_s=35.0), now_s=60.0) == {"age": 2, "count": 0, "duplicate": 0}
         assert sorted(r.entry_id for r in store.records()) == ["c", "d", "e", "f"]
@@ -128,7 +176,7 @@ def test_prune_by_age_count_and_near_duplicates(tmp_path):
         assert store.query(MemoryQuery(text="mug")) == []
         assert store.query(MemoryQuery(near=(5.0, 0.0, 0.0), radius_m=0.5)) == []
 
-    with SqliteMemoryStore(tmp_path / "duplicates.db") as store:
+    with stores.open("duplicates") as store:
         store.insert([
             _record("old", 1.0, "A red cube on the table.", (1.0, 1.0, 0.0)),
             _record("new", 2.0, "a red cube on the table", (1.1, 1.0, 0.0)),
@@ -146,21 +194,27 @@ def test_prune_by_age_count_and_near_duplicates(tmp_path):
         assert "other" not in {r.entry_id for r in store.records()}
 
 
-def test_export_import_and_reopen(tmp_path):
-    path = tmp_path / "memory.db"
-    with SqliteMemoryStore(path) as store:
+def test_export_import_and_reopen(stores):
+    with stores.open() as store:
         store.insert(ENTRIES)
         stream = io.StringIO()
         assert store.export_jsonl(stream) == len(ENTRIES)
     lines = stream.getvalue().splitlines()
     assert json.loads(lines[0])["entry_id"] == "a" and json.loads(lines[0])["pose"]["position"] == [0.0, 0.0, 0.0]
+    assert json.loads(lines[0])["embedding"] == [1.0, 0.0, 0.0]
     # reopened: everything is there, and its indexes answer
-    with SqliteMemoryStore(path) as store:
+    with stores.open() as store:
         assert store.count() == len(ENTRIES)
         assert _ids(store.query(MemoryQuery(text="mug"))) == ["c"]
-    with SqliteMemoryStore(tmp_path / "copy.db") as copy:
+        originals = list(store.records())
+    with stores.open("copy") as copy:
         assert copy.import_jsonl(io.StringIO(stream.getvalue())) == len(ENTRIES)
-        assert list(copy.records()) == list(SqliteMemoryStore(path).records())
+        copied = list(copy.records())
+        assert copied == originals
+        for mine, theirs in zip(copied, originals):
+            assert (mine.embedding is None) == (theirs.embedding is None)
+            if mine.embedding is not None:
+                np.testing.assert_array_equal(mine.embedding, theirs.embedding)
         with pytest.raises(ValueError, match="line 2"):
             copy.import_jsonl(io.StringIO(lines[0] + "\n{\"text\": 1}\n"))
 
@@ -179,13 +233,15 @@ _WRITER = textwrap.dedent("""
 """)
 
 
-def test_kill_9_mid_write_loses_at_most_the_entry_being_written(tmp_path):
-    path = tmp_path / "killed.db"
-    process = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+def _killed_writer(script, path, meanwhile=lambda committed: None):
+    """Run the writer ``script`` on ``path`` (it prints the index of each insert once it returned) and SIGKILL it
+    after 40 inserts; ``meanwhile(index)`` runs as each is reported. Returns the last index reported."""
+    process = subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE, text=True)
     try:
         committed = -1
         for line in process.stdout:
             committed = int(line)
+            meanwhile(committed)
             if committed >= 40:
                 break
     finally:
@@ -193,6 +249,12 @@ def test_kill_9_mid_write_loses_at_most_the_entry_being_written(tmp_path):
         process.wait()
         process.stdout.close()
     assert committed >= 40
+    return committed
+
+
+def test_sqlite_kill_9_mid_write_loses_at_most_the_entry_being_written(tmp_path):
+    path = tmp_path / "killed.db"
+    committed = _killed_writer(_WRITER, path)
     with SqliteMemoryStore(path) as store:
         ids = {r.entry_id for r in store.records(embeddings=False)}
         # every insert reported committed is there; at most the ones after it (in flight or committed
@@ -204,24 +266,26 @@ def test_kill_9_mid_write_loses_at_most_the_entry_being_written(tmp_path):
         assert store.count() == len(ids) + 1
 
 
-def test_cli_query_prune_export_stats(tmp_path, capsys):
-    path = tmp_path / "cli.db"
-    with SqliteMemoryStore(path) as store:
+def test_cli_query_prune_export_stats(stores, tmp_path, capsys):
+    with stores.open("cli") as store:
         store.insert(ENTRIES)
-    assert cli(["query", str(path), "--text", "red cube", "--near", "10", "0", "0", "--radius", "1", "--json"]) == 0
+    path, name = stores.location("cli"), ["--collection", stores.collection("cli")]
+    assert cli(name + ["query", path, "--text", "red cube", "--near", "10", "0", "0", "--radius", "1", "--json"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [json.loads(line)["entry_id"] for line in lines] == ["d"]
-    assert cli(["stats", str(path)]) == 0
+    assert cli(name + ["stats", path]) == 0
     stats = json.loads(capsys.readouterr().out)
-    assert stats["entries"] == 6 and stats["with_pose"] == 5 and stats["robots"] == 2
+    assert stats["entries"] == 6 and stats["with_pose"] == 5 and stats["robots"] == 2 and stats["bytes"] > 0
+    assert stats["backend"] == {"sqlite": "sqlite", "milvus": "milvus-lite"}[stores.backend]
     out = tmp_path / "out.jsonl"
-    assert cli(["export", str(path), "-o", str(out), "--no-embeddings"]) == 0
+    assert cli(name + ["export", path, "-o", str(out), "--no-embeddings"]) == 0
     assert len(out.read_text().splitlines()) == 6 and "embedding" not in out.read_text()
-    assert cli(["prune", str(path), "--max-count", "4"]) == 0
+    assert cli(name + ["prune", path, "--max-count", "4"]) == 0
     assert "removed 2 entries" in capsys.readouterr().out
-    assert cli(["query", str(tmp_path / "missing.db")]) == 1
+    prefix = "milvus:" if stores.backend == "milvus" else ""
+    assert cli(name + ["query", prefix + str(tmp_path / "missing.db")]) == 1
     assert "does not exist" in capsys.readouterr().err
-    assert cli(["query", str(path), "--near", "0", "0", "0"]) == 1
+    assert cli(name + ["query", path, "--near", "0", "0", "0"]) == 1
     assert "radius" in capsys.readouterr().err
 
 
@@ -277,3 +341,165 @@ def test_writer_drops_and_counts_beyond_its_queue_then_stores_what_is_queued(tmp
     assert writer.written == 3
     with SqliteMemoryStore(tmp_path / "slow.db") as store:
         assert sorted(r.entry_id for r in store.records()) == ["a", "b", "c"]
+
+
+def test_store_locations_pick_the_backend():
+    assert parse_location("runs/memory.db") == ("sqlite", "runs/memory.db")          # as every earlier release
+    assert parse_location("sqlite:runs/m.db") == ("sqlite", "runs/m.db")
+    assert parse_location("milvus:runs/m.db") == ("milvus", "runs/m.db")
+    assert parse_location("http://milvus:19530") == ("milvus", "http://milvus:19530")
+    assert parse_location("milvus:https://milvus:443/robots") == ("milvus", "https://milvus:443/robots")
+    for bad in ("", "  ", "milvus:", "sqlite: "):
+        with pytest.raises(ValueError, match="empty|names no"):
+            parse_location(bad)
+
+
+# ---- Milvus's own promises and limits ----------------------------------------------------------------------
+
+_MILVUS_WRITER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from oxygen_ros.memory import MemoryRecord, Pose
+    from oxygen_ros.memory.milvus_store import MilvusMemoryStore
+    store = MilvusMemoryStore(sys.argv[1])
+    i = 0
+    while True:
+        store.insert([MemoryRecord(f"e{i}", float(i), f"caption number {i}", "r1", "", ("cam",),
+                                   Pose("map", (float(i), 0.0, 0.0)), np.full(512, i + 1, np.float32))])
+        print(i, flush=True)     # written
+        i += 1
+""")
+
+
+def test_milvus_lite_kill_9_mid_write_keeps_every_reported_insert_and_refuses_a_second_process(tmp_path):
+    """milvus-lite writes each insert to its log and flushes it to the OS before returning (no fsync: a process
+    crash keeps it, a power loss may not); one process at a time opens a data directory."""
+    from oxygen_ros.memory.milvus_store import MilvusMemoryStore, MilvusStoreError
+
+    def second_process(committed):
+        if committed == 5:
+            with pytest.raises(MilvusStoreError, match="open in another process"):
+                MilvusMemoryStore(str(path))
+
+    path = tmp_path / "killed.db"
+    committed = _killed_writer(_MILVUS_WRITER, path, second_process)
+    with MilvusMemoryStore(str(path)) as store:
+        ids = {r.entry_id for r in store.records(embeddings=False)}
+        assert {f"e{i}" for i in range(committed + 1)} <= ids
+        assert "e7" in _ids(store.query(MemoryQuery(text="7", k=100)))
+        [e7] = store.get(["e7"])
+        np.testing.assert_array_equal(e7.embedding, np.full(512, 8, np.float32))
+        assert _ids(store.query(MemoryQuery(embedding=np.full(512, 1, np.float32), near=(7.0, 0.0, 0.0),
+                                            radius_m=0.5))) == ["e7"]
+        store.insert([_record("after", 1e6, "written after the crash")])
+        assert store.count() == len(ids) + 1
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_milvus_server_uri_shares_one_collection_between_robots(tmp_path):
+    """The server path (``http://HOST:PORT``) through milvus-lite's own gRPC server, in a process of its own:
+    two clients (two robots' nodes) on one collection see each other's entries."""
+    from oxygen_ros.memory import open_store
+
+    port = _free_port()
+    log = tmp_path / "server.log"
+    with log.open("w") as out:      # a file, not a pipe: a pipe nobody reads would stop a talkative server
+        server = subprocess.Popen([sys.executable, "-u", "-m", "milvus_lite", "server", "--data-dir",
+                                   str(tmp_path / "server"), "--host", "127.0.0.1", "--port", str(port)],
+                                  stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60.0
+        while "listening" not in log.read_text() and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "listening" in log.read_text(), log.read_text()
+        uri = f"http://127.0.0.1:{port}"
+        with open_store(uri, synchronous="normal", collection="robots") as one, \
+                open_store(f"milvus:{uri}", synchronous="normal", collection="robots") as two:
+            one.insert(ENTRIES[:4])
+            two.insert(ENTRIES[4:])
+            assert one.count() == two.count() == len(ENTRIES)
+            assert _ids(two.query(MemoryQuery(text="red cube", near=(10.0, 0.0, 0.0), radius_m=1.0))) == ["d"]
+            assert _ids(one.query(MemoryQuery(near=(10.0, 0.0, 0.0), radius_m=1.0, robot="r2"))) == ["e"]
+            assert _ids(one.query(MemoryQuery(embedding=np.array([1.0, 0.05, 0.0], np.float32), k=2))) == ["a", "b"]
+            assert two.prune(RetentionPolicy(max_count=4))["count"] == 2
+            assert sorted(r.entry_id for r in one.records()) == ["c", "d", "e", "f"]
+            stats = one.stats()
+            assert stats["backend"] == "milvus" and stats["bytes"] is None and stats["entries"] == 4
+            assert stats["server_version"].startswith("milvus_lite") and one.lite_engine     # flushed as embedded
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def test_milvus_refuses_bad_locations_and_settings_with_the_reason(tmp_path, milvus_dir, monkeypatch):
+    from oxygen_ros.memory import open_store
+    from oxygen_ros.memory.milvus_store import MilvusMemoryStore, MilvusStoreError
+
+    with pytest.raises(ValueError, match="credentials"):
+        open_store("http://user:secret@127.0.0.1:19530", synchronous="normal")
+    with pytest.raises(ValueError, match=r"end in \.db"):
+        open_store("milvus:runs/memory", synchronous="normal")
+    with pytest.raises(ValueError, match="synchronous 'full'"):
+        open_store(f"milvus:{milvus_dir}")
+    with pytest.raises(ValueError, match="collection name"):
+        MilvusMemoryStore(str(milvus_dir), collection="robot-1")
+    SqliteMemoryStore(tmp_path / "sqlite.db").close()
+    with pytest.raises(ValueError, match="not a milvus-lite directory"):
+        MilvusMemoryStore(str(tmp_path / "sqlite.db"))
+    # a collection that is not a memory store is left alone
+    from pymilvus import MilvusClient
+
+    other = MilvusClient(str(milvus_dir))
+    other.create_collection("somebody_elses", dimension=4)
+    with pytest.raises(ValueError, match="not a memory store of schema version 1"):
+        MilvusMemoryStore(str(milvus_dir), collection="somebody_elses")
+    # no server: a clear error within the timeout, not a hang; the token comes from the environment only
+    monkeypatch.setenv("OXYGEN_MILVUS_TOKEN", "root:Milvus")
+    with pytest.raises(MilvusStoreError, match="127.0.0.1"):
+        MilvusMemoryStore(f"http://127.0.0.1:{_free_port()}", timeout_s=2.0)
+
+
+def test_milvus_limits_and_filter_literals(milvus_dir):
+    from oxygen_ros.memory.milvus_store import MAX_K, MAX_TEXT_BYTES, MilvusMemoryStore
+
+    with MilvusMemoryStore(str(milvus_dir), collection="limits") as store:
+        store.insert(ENTRIES)
+        # a batch with a value Milvus cannot hold is refused whole, before anything is written
+        with pytest.raises(ValueError, match="text is 65536 bytes"):
+            store.insert([_record("g", 70.0, "fits"), _record("h", 80.0, "x" * (MAX_TEXT_BYTES + 1))])
+        with pytest.raises(ValueError, match="width 2..32768"):
+            store.insert([_record("g", 70.0, "fits", embedding=[1.0])])
+        assert store.count() == len(ENTRIES) and store.get(["g"]) == []
+        with pytest.raises(ValueError, match=f"<= {MAX_K}"):
+            store.query(MemoryQuery(k=MAX_K + 1))
+        # quotes, backslashes and newlines in ids and robots are literals of the filter, not its syntax
+        odd = [_record('say "hi"\\', 1.0, "an odd robot's entry", (0.0, 0.0, 0.0), robot='r"2\\\n or true'),
+               _record("it's", 2.0, "another odd one", robot="r1")]
+        store.insert(odd)
+        assert _ids(store.query(MemoryQuery(robot='r"2\\\n or true'))) == ['say "hi"\\']
+        assert [r.entry_id for r in store.get(["it's", 'say "hi"\\', "nobody"])] == ["it's", 'say "hi"\\']
+        assert store.prune(RetentionPolicy(max_count=len(ENTRIES)))["count"] == 2
+        assert store.get(["it's", 'say "hi"\\']) == []
+        # an entry replaced without its embedding leaves no embedding behind
+        store.insert([_record("a", 10.0, "a red cube on the kitchen counter", (0.0, 0.0, 0.0))])
+        assert store.get(["a"])[0].embedding is None
+        assert "a" not in _ids(store.query(MemoryQuery(embedding=np.array([1.0, 0.0, 0.0], np.float32))))
+        # the word counts of the BM25 word rule follow every insert, replacement and removal
+        from collections import Counter
+
+        from oxygen_ros.memory.milvus_store import _words
+
+        expected = Counter(w for r in store.records(embeddings=False) for w in _words(r.text))
+        counted = {row["word"]: row["entries"] for row in store._scan("", ["entries"], store._vocabulary(), key="word")}
+        assert counted == dict(expected)

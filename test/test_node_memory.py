@@ -275,3 +275,37 @@ def test_a_store_that_cannot_be_opened_fails_configure_with_the_reason(tmp_path)
         assert h.node.engine is None       # refused before the model was loaded
     finally:
         h.close()
+
+
+def test_a_milvus_store_behind_the_same_service(tmp_path):
+    """memory.store.path milvus:PATH.db: the node writes its entries to milvus-lite and ~/query_memory answers from
+    it; Milvus refuses memory.store.synchronous full (the default) at configure, with the reason."""
+    from oxygen_ros.memory.milvus_store import MilvusMemoryStore
+
+    location = tmp_path / "milvus.db"
+    refused = Harness(tiny_parameters(**{"memory.store.path": f"milvus:{location}"}))
+    try:
+        assert wait_for(lambda: refused.node.configure_error is not None, 30.0)
+        assert "synchronous to 'normal'" in refused.node.configure_error
+        assert refused.node.engine is None
+    finally:
+        refused.close()
+    h = Harness(tiny_parameters(**{"memory.trigger.every_s": 0.5, "memory.store.path": f"milvus:{location}",
+                                   "memory.store.synchronous": "normal", "memory.store.collection": "robot_one"}))
+    try:
+        assert wait_for(lambda: h.node.lifecycle_state == "active", 60.0), "autostart did not reach active"
+        assert h.chunks_flow(timeout=30.0)
+        assert wait_for(lambda: len(_query(h, k=10).entries) >= 2, 60.0), "no entries reached the Milvus store"
+        answer = _query(h, k=1000)
+        assert answer.success and [_seconds(e.header.stamp) for e in answer.entries] == \
+            sorted((_seconds(e.header.stamp) for e in answer.entries), reverse=True)
+        words = re.findall(r"\w+", answer.entries[0].text.lower())
+        if words:       # a caption of the random-weight model may hold no word
+            assert answer.entries[0].entry_id in {e.entry_id for e in _query(h, text=words[0], k=1000).entries}
+        assert h.change_state("deactivate") and h.change_state("cleanup")
+        with MilvusMemoryStore(str(location), collection="robot_one") as store:    # closed by cleanup
+            stored = {r.entry_id: r for r in store.records()}
+            assert {e.entry_id for e in answer.entries} <= set(stored)
+            assert all(r.embedding is not None and r.embedding.shape == (256,) for r in stored.values())
+    finally:
+        h.close()

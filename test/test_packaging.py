@@ -124,7 +124,7 @@ _ROSDEP_KEYS = {"numpy": "python3-numpy", "yaml": "python3-yaml", "cv2": "python
                 "matplotlib": "python3-matplotlib", "pytest": "python3-pytest", "PIL": "python3-pil",
                 "h5py": "python3-h5py", "tqdm": "python3-tqdm"}
 # Python import name -> pip distribution, for the pip-only ones
-_PIP_NAMES = {"gym_aloha": "gym-aloha", "mcap_ros2": "mcap"}
+_PIP_NAMES = {"gym_aloha": "gym-aloha", "mcap_ros2": "mcap", "milvus_lite": "milvus-lite"}
 
 
 def test_package_xml_declares_every_import():

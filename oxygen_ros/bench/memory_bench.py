@@ -1,22 +1,30 @@
-"""What the embedded memory store costs (docs/memory.md, "Cost"): insert and query latency and size at
-10^4, 10^5 and 10^6 entries on this machine.
+"""What the memory store costs (docs/memory.md, "Cost"): insert and query latency and size at 10^4, 10^5 and
+10^6 entries on this machine, for each backend.
 
     python -m oxygen_ros.bench.memory_bench [--sizes 10000 100000 1000000] [--embedding-width 256]
+        [--backend sqlite|milvus] [--milvus-uri http://HOST:PORT]
         [--dir /tmp/oxygen-memory-bench] [--out docs/bench/memory_store_cpu.json]
 
-For each size it fills a fresh SQLite store (:class:`~oxygen_ros.memory.sqlite_store.SqliteMemoryStore`) with
-synthetic entries in batches of 1000 (captions from a small vocabulary of objects, colours and places; stamps
+``--backend sqlite`` (default): a SQLite file (:class:`~oxygen_ros.memory.sqlite_store.SqliteMemoryStore`);
+``--backend milvus``: milvus-lite in this process, a ``memory_<n>.db`` directory in ``--dir``
+(:class:`~oxygen_ros.memory.milvus_store.MilvusMemoryStore`), or with ``--milvus-uri`` a running Milvus server
+(collection ``memory_bench_<n>``, dropped after; token from ``OXYGEN_MILVUS_TOKEN``; size not measured).
+
+For each size it fills a fresh store with synthetic entries in batches of 1000 (captions from a small vocabulary of objects, colours and places; stamps
 0.5 s apart; poses on a 100 m x 100 m random walk; four robots; float32 embeddings), then times:
 
 * ``insert_1``: one entry per transaction (what the node's writer does at one entry per memory period), with
-  ``synchronous=full`` (fsync per commit) and ``normal``; median and 95th percentile of ``--inserts``;
+  ``synchronous=full`` (fsync per commit; SQLite only) and ``normal``; median and 95th percentile of
+  ``--inserts``;
 * queries (``k`` = 10), median and 95th percentile of ``--queries`` each, with varied parameters: ``text``
   (two words, BM25), ``question`` (the two words in "where did you see the ...?": "the" is in every caption and
   is not matched, the other words in none), ``time`` (a 10-minute window), ``place`` (2 m radius),
   ``combined`` (text + place + 1-hour window + robot), ``embedding`` (cosine scan of every entry; only up to
   ``--scan-max`` entries);
 * ``prune_duplicates``: one near-duplicate pass (radius 0.5 m, the same words) over the whole store;
-* ``bytes``: the file after a checkpoint, and per entry.
+* ``bytes``: the file after a checkpoint (SQLite), the data directory (milvus-lite), and per entry;
+* ``rss``: the process's resident memory with the filled store open, after the queries (``VmRSS``; milvus-lite
+  keeps its engine and its indexes in this process).
 
 Times are wall clock (``time.perf_counter``) on a machine that may be shared: the report names the load
 (``os.getloadavg``) before and after each size.
@@ -36,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from oxygen_ros.bench.table import Column, fmt, print_table, write_json
-from oxygen_ros.memory import MemoryQuery, MemoryRecord, Pose, RetentionPolicy, SqliteMemoryStore
+from oxygen_ros.memory import MemoryQuery, MemoryRecord, MemoryStore, Pose, RetentionPolicy, SqliteMemoryStore
 
 COLOURS = ("red", "blue", "green", "yellow", "black", "white", "orange", "purple")
 OBJECTS = ("cube", "mug", "ball", "bottle", "box", "plate", "chair", "book", "phone", "towel", "cup", "shoe")
@@ -83,26 +91,83 @@ def _timed(calls) -> tuple[float, float]:
     return _percentiles(times)
 
 
-def measure(n: int, width: int, directory: Path, inserts: int, queries: int, scan_max: int, seed: int) -> dict:
+def _remove(path: Path) -> None:
+    for stale in path.parent.glob(path.name + "*"):
+        if stale.is_dir():
+            shutil.rmtree(stale)
+        else:
+            stale.unlink()
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory [bytes] (``VmRSS`` of /proc/self/status)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def _bytes(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size
+
+
+class Backend:
+    """Opens the stores of one backend: ``sqlite``, or ``milvus`` (milvus-lite in ``directory``, or the server
+    at ``milvus_uri``)."""
+
+    def __init__(self, name: str, milvus_uri: str | None = None):
+        self.name, self.milvus_uri = name, milvus_uri
+
+    def path(self, directory: Path, n: int) -> Path:
+        return directory / f"memory_{n}.db"
+
+    def open(self, directory: Path, n: int, synchronous: str) -> MemoryStore:
+        if self.name == "sqlite":
+            return SqliteMemoryStore(self.path(directory, n), synchronous=synchronous)
+        from oxygen_ros.memory.milvus_store import MilvusMemoryStore
+
+        return MilvusMemoryStore(self.milvus_uri or str(self.path(directory, n)), collection=f"memory_bench_{n}")
+
+    def clear(self, directory: Path, n: int) -> None:
+        """Remove the store of size ``n`` (its file or directory, or its server collections)."""
+        if self.milvus_uri is None:
+            _remove(self.path(directory, n))
+            return
+        from pymilvus import MilvusClient
+
+        client = MilvusClient(self.milvus_uri, token=os.environ.get("OXYGEN_MILVUS_TOKEN", ""))
+        for name in client.list_collections():
+            if name == f"memory_bench_{n}" or name.startswith(f"memory_bench_{n}_embedding_"):
+                client.drop_collection(name)
+        client.close()
+
+
+def measure(n: int, width: int, directory: Path, inserts: int, queries: int, scan_max: int, seed: int,
+            backend: Backend = Backend("sqlite")) -> dict:
     """The figures of one store of ``n`` entries (see the module docstring); the store is deleted after."""
-    path = directory / f"memory_{n}.db"
-    for stale in directory.glob(f"memory_{n}.db*"):
-        stale.unlink()
-    row: dict = {"entries": n, "embedding_width": width, "load_before": os.getloadavg()[0]}
-    store = SqliteMemoryStore(path)
+    path = backend.path(directory, n)
+    backend.clear(directory, n)
+    row: dict = {"entries": n, "embedding_width": width, "backend": backend.name,
+                 "load_before": os.getloadavg()[0]}
+    store = backend.open(directory, n, "full" if backend.name == "sqlite" else "normal")
     try:
         start = time.perf_counter()
         for batch in synthetic(n, width, seed):
             store.insert(batch)
         row["fill_s"] = time.perf_counter() - start
         row["fill_per_s"] = n / row["fill_s"]
-        store.checkpoint()
-        row["bytes"] = path.stat().st_size
-        row["bytes_per_entry"] = row["bytes"] / n
+        if isinstance(store, SqliteMemoryStore):
+            store.checkpoint()
+        if backend.milvus_uri is None:
+            row["bytes"] = _bytes(path)
+            row["bytes_per_entry"] = row["bytes"] / n
         one = [r for batch in synthetic(inserts, width, seed, start=n) for r in batch]
-        row["insert_1_full_ms"] = _timed([lambda r=r: store.insert([r]) for r in one[: inserts // 2]])
-        store.close()
-        store = SqliteMemoryStore(path, synchronous="normal")
+        if backend.name == "sqlite":
+            row["insert_1_full_ms"] = _timed([lambda r=r: store.insert([r]) for r in one[: inserts // 2]])
+            store.close()
+            store = backend.open(directory, n, "normal")
         row["insert_1_normal_ms"] = _timed([lambda r=r: store.insert([r]) for r in one[inserts // 2:]])
         rng = np.random.default_rng(seed + 1)
         span = 0.5 * n
@@ -132,10 +197,10 @@ def measure(n: int, width: int, directory: Path, inserts: int, queries: int, sca
         removed = store.prune(RetentionPolicy(duplicate_radius_m=0.5))
         row["prune_duplicates_s"] = time.perf_counter() - start
         row["pruned"] = removed["duplicate"]
+        row["rss_bytes"] = _rss_bytes()
     finally:
         store.close()
-        for leftover in directory.glob(f"memory_{n}.db*"):
-            leftover.unlink()
+        backend.clear(directory, n)
     row["load_after"] = os.getloadavg()[0]
     return row
 
@@ -143,8 +208,8 @@ def measure(n: int, width: int, directory: Path, inserts: int, queries: int, sca
 COLUMNS = [
     Column("entries", 9, lambda r: f"{r['entries']:,}"),
     Column("fill/s", 9, lambda r: fmt(r["fill_per_s"], ",.0f")),
-    Column("B/entry", 9, lambda r: fmt(r["bytes_per_entry"], ".0f")),
-    Column("ins full", 13, lambda r: "{:.1f}/{:.1f}".format(*r["insert_1_full_ms"])),
+    Column("B/entry", 9, lambda r: fmt(r.get("bytes_per_entry"), ".0f")),
+    Column("ins full", 13, lambda r: "{:.1f}/{:.1f}".format(*r["insert_1_full_ms"]) if "insert_1_full_ms" in r else "-"),
     Column("ins normal", 13, lambda r: "{:.2f}/{:.2f}".format(*r["insert_1_normal_ms"])),
     Column("text", 13, lambda r: "{:.1f}/{:.1f}".format(*r["query_text_ms"])),
     Column("question", 13, lambda r: "{:.1f}/{:.1f}".format(*r["query_question_ms"])),
@@ -154,8 +219,20 @@ COLUMNS = [
     Column("embedding", 15, lambda r: "{:.0f}/{:.0f}".format(*r["query_embedding_ms"])
            if "query_embedding_ms" in r else "-"),
     Column("prune s", 9, lambda r: fmt(r["prune_duplicates_s"], ".1f")),
+    Column("RSS MiB", 9, lambda r: fmt(r["rss_bytes"] / 2**20, ".0f")),
     Column("load", 11, lambda r: f"{r['load_before']:.1f}-{r['load_after']:.1f}"),
 ]
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what ``platform.processor`` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,20 +243,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inserts", type=int, default=200, help="single-entry inserts timed (half per mode)")
     parser.add_argument("--queries", type=int, default=50, help="queries timed per kind")
     parser.add_argument("--scan-max", type=int, default=100_000, help="largest store whose embedding scan is timed")
+    parser.add_argument("--backend", choices=("sqlite", "milvus"), default="sqlite",
+                        help="sqlite (a file) or milvus (milvus-lite in --dir, or the server of --milvus-uri)")
+    parser.add_argument("--milvus-uri", help="http(s)://HOST:PORT of a Milvus server (with --backend milvus)")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/oxygen-memory-bench"), help="where the stores go")
     parser.add_argument("--out", type=Path, help="JSON results file")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not 2 <= args.inserts <= 2 * FILL_BATCH:
         parser.error(f"--inserts must be in 2..{2 * FILL_BATCH}")
+    if args.milvus_uri and args.backend != "milvus":
+        parser.error("--milvus-uri needs --backend milvus")
+    backend = Backend(args.backend, args.milvus_uri)
     args.dir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(args.dir).free
-    results = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
-                           "cpus": os.cpu_count(), "sqlite": sqlite3.sqlite_version, "free_bytes": free},
+    versions = {"sqlite": sqlite3.sqlite_version}
+    if args.backend == "milvus":
+        from importlib.metadata import version
+
+        versions.update(pymilvus=version("pymilvus"), milvus_lite=version("milvus-lite"))
+    results = {"machine": {"platform": platform.platform(), "processor": _cpu_name(),
+                           "cpus": os.cpu_count(), **versions, "free_bytes": free},
                "args": vars(args), "rows": []}
     for n in args.sizes:
         results["rows"].append(measure(n, args.embedding_width, args.dir, args.inserts, args.queries,
-                                       args.scan_max, args.seed))
+                                       args.scan_max, args.seed, backend))
         print(f"{n:,} entries done", flush=True)
         if args.out is not None:
             write_json(args.out, results)

@@ -8,6 +8,10 @@
                                             [--duplicate-text-similarity F] [--now S]
     python -m oxygen_ros.memory stats STORE
 
+STORE is a location as ``memory.store.path`` takes it (``oxygen_ros.memory.parse_location``): a SQLite file
+(``PATH`` or ``sqlite:PATH``), ``milvus:PATH.db`` (milvus-lite) or ``http(s)://HOST:PORT`` (a Milvus server, token
+from ``OXYGEN_MILVUS_TOKEN``); ``--collection NAME`` (before the command) names the Milvus collection.
+
 Errors (a missing store for query/export/prune/stats, a malformed query) end with one line
 ``oxygen_ros memory: error: ...`` and status 1; bad arguments with the usage and status 2.
 """
@@ -20,16 +24,17 @@ import sqlite3
 import sys
 from pathlib import Path
 
-from oxygen_ros.memory import MemoryQuery, RetentionPolicy, open_store
+from oxygen_ros.memory import MemoryQuery, RetentionPolicy, open_store, parse_location
 
 PROG = "python -m oxygen_ros.memory"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="the robot's memory store (docs/memory.md)")
+    parser.add_argument("--collection", default="oxygen_memory", help="the Milvus collection (Milvus stores only)")
     sub = parser.add_subparsers(dest="command", required=True)
     query = sub.add_parser("query", help="the best entries for a query")
-    query.add_argument("store", type=Path)
+    query.add_argument("store", help="SQLite file, milvus:PATH.db or http(s)://HOST:PORT")
     query.add_argument("--text", default="", help="words to match in the captions (BM25)")
     query.add_argument("--since", type=float, help="observation stamps at or after this [s]")
     query.add_argument("--until", type=float, help="observation stamps at or before this [s]")
@@ -39,28 +44,32 @@ def _parser() -> argparse.ArgumentParser:
     query.add_argument("-k", type=int, default=10, help="most entries (default 10)")
     query.add_argument("--json", action="store_true", help="one JSON object per hit (without embeddings)")
     export = sub.add_parser("export", help="every entry as JSON lines, oldest first")
-    export.add_argument("store", type=Path)
+    export.add_argument("store", help="SQLite file, milvus:PATH.db or http(s)://HOST:PORT")
     export.add_argument("-o", "--output", type=Path, help="file to write (default: standard output)")
     export.add_argument("--no-embeddings", action="store_true", help="leave the embeddings out")
     load = sub.add_parser("import", help="insert the entries of an export")
-    load.add_argument("store", type=Path)
+    load.add_argument("store", help="SQLite file, milvus:PATH.db or http(s)://HOST:PORT")
     load.add_argument("input", type=Path)
     prune = sub.add_parser("prune", help="remove entries by a retention policy (each rule off at 0)")
-    prune.add_argument("store", type=Path)
+    prune.add_argument("store", help="SQLite file, milvus:PATH.db or http(s)://HOST:PORT")
     prune.add_argument("--max-age-s", type=float, default=0.0)
     prune.add_argument("--max-count", type=int, default=0)
     prune.add_argument("--duplicate-radius-m", type=float, default=0.0)
     prune.add_argument("--duplicate-text-similarity", type=float, default=1.0)
     prune.add_argument("--now", type=float, help="the present for --max-age-s [s] (default: the newest entry's stamp)")
     stats = sub.add_parser("stats", help="counts, time span and size")
-    stats.add_argument("store", type=Path)
+    stats.add_argument("store", help="SQLite file, milvus:PATH.db or http(s)://HOST:PORT")
     return parser
 
 
 def _run(args) -> int:
-    if args.command != "import" and not args.store.is_file():
-        raise FileNotFoundError(f"{args.store} does not exist")
-    with open_store(args.store) as store:
+    backend, target = parse_location(args.store)
+    local = None if target.lower().startswith(("http://", "https://")) else Path(target)
+    if args.command != "import" and local is not None and not local.exists():
+        raise FileNotFoundError(f"{target} does not exist")
+    # a Milvus store takes synchronous "normal" only (MilvusMemoryStore says why)
+    with open_store(args.store, synchronous="normal" if backend == "milvus" else "full",
+                    collection=args.collection) as store:
         if args.command == "query":
             query = MemoryQuery(text=args.text, since_s=args.since, until_s=args.until,
                                 near=tuple(args.near) if args.near else None, radius_m=args.radius,

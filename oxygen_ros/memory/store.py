@@ -1,7 +1,8 @@
 """The memory store's interface and its retention policy (no rclpy).
 
 :class:`MemoryStore` is what the node, the CLI and a user's code talk to; :class:`~oxygen_ros.memory.sqlite_store.
-SqliteMemoryStore` is the embedded implementation (docs/memory.md says why SQLite). :class:`RetentionPolicy`
+SqliteMemoryStore` is the embedded implementation (docs/memory.md says why SQLite), :class:`~oxygen_ros.memory.
+milvus_store.MilvusMemoryStore` the one in Milvus (milvus-lite or a server). :class:`RetentionPolicy`
 says what :meth:`MemoryStore.prune` removes; :func:`near_duplicates` is its place-and-text rule, shared by every
 implementation.
 """
@@ -122,9 +123,11 @@ class MemoryStore(abc.ABC):
 
     @abc.abstractmethod
     def insert(self, records: Iterable[MemoryRecord]) -> int:
-        """Store ``records`` in one transaction (all or none); a record whose ``entry_id`` is already stored
-        replaces it. Returns how many were stored. Raises the backend's error when it cannot write (disk
-        full, read-only file); nothing of the call is then stored."""
+        """Store ``records`` (SQLite: in one transaction, all or none; Milvus: one write per collection, the
+        entries last, see :class:`~oxygen_ros.memory.milvus_store.MilvusMemoryStore`); a record whose ``entry_id``
+        is already stored replaces it. Returns how many were stored. Raises ValueError for a record the backend
+        cannot hold (before anything is written), and the backend's error when it cannot write (disk full,
+        read-only file, an unreachable server)."""
 
     @abc.abstractmethod
     def query(self, query: MemoryQuery) -> list[Hit]:
@@ -142,7 +145,8 @@ class MemoryStore(abc.ABC):
     @abc.abstractmethod
     def prune(self, policy: RetentionPolicy, now_s: float | None = None) -> dict[str, int]:
         """Remove what ``policy`` says, ``now_s`` [s] being the present for ``max_age_s`` (None = the newest
-        stored stamp). Returns the number removed per rule (``age``, ``count``, ``duplicate``)."""
+        stored stamp); SQLite in one transaction, Milvus batch by batch. Returns the number removed per rule
+        (``age``, ``count``, ``duplicate``)."""
 
     @abc.abstractmethod
     def count(self) -> int:

@@ -7,8 +7,9 @@
   sample, its own stamp in ``pose.header``), else ``has_pose`` false and a default pose — never a guessed one.
   ``robot`` is ``memory.robot`` (default: the node's namespace).
 * Store: with ``memory.store.path``, every published entry is queued (never waiting: a full queue drops the
-  entry, counted and warned) for a writer thread that inserts it into the SQLite store
-  (:class:`~oxygen_ros.memory.sqlite_store.SqliteMemoryStore`) and applies the retention rules every
+  entry, counted and warned) for a writer thread that inserts it into the store (SQLite,
+  :class:`~oxygen_ros.memory.sqlite_store.SqliteMemoryStore`, or Milvus with ``memory.store.collection``,
+  :class:`~oxygen_ros.memory.milvus_store.MilvusMemoryStore`) and applies the retention rules every
   ``memory.store.prune_every_s``; ``~/query_memory`` (``oxygen_ros/srv/QueryMemory``) answers from the store, in
   a callback group of its own; ``~/ask`` fills a prompt's ``{memory}`` field from it (:meth:`MemoryService.recall`).
 
@@ -186,10 +187,11 @@ def check_store(settings: MemorySettings) -> None:
     loading the model, so that a store that cannot be opened fails configure with the reason.
 
     Raises:
-        ValueError, sqlite3.Error, RuntimeError, OSError: as :func:`oxygen_ros.memory.open_store`.
+        ValueError, sqlite3.Error, RuntimeError, OSError: as :func:`oxygen_ros.memory.open_store` (RuntimeError:
+            a Milvus server that cannot be reached or refuses).
     """
     if settings.store_path:
-        open_store(settings.store_path, synchronous=settings.synchronous).close()
+        open_store(settings.store_path, synchronous=settings.synchronous, collection=settings.collection).close()
 
 
 def record_of(msg: MemoryEntry) -> MemoryRecord:
@@ -254,7 +256,7 @@ class MemoryService:
         if settings.store_path:
             policy = RetentionPolicy(settings.max_age_s, settings.max_count, settings.duplicate_radius_m,
                                      settings.duplicate_text_similarity)
-            store = open_store(settings.store_path, synchronous=settings.synchronous)
+            store = open_store(settings.store_path, synchronous=settings.synchronous, collection=settings.collection)
             node.get_logger().info(f"memory store {settings.store_path}: {store.count()} entries")
             self.writer = MemoryWriter(store, settings.queue_size, policy, settings.prune_every_s, now_s, self.drops,
                                        node.get_logger().info)

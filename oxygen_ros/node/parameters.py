@@ -212,13 +212,18 @@ NODE_PARAMETERS: tuple[Declaration, ...] = (
           unit="s", low=0.0, high=3600.0),
     _node("memory.pose.fixed_frame", "", "the frame the poses must be in: a sample with another header.frame_id is "
           "dropped (counted, warned); empty = any, the entry carries the sample's frame", _MEMORY),
-    _node("memory.store.path", "", "SQLite file every published MemoryEntry is also written to (created when "
-          "missing, reopened with its entries), and ~/query_memory answers from; empty = no store, no service",
-          _MEMORY, when=STRUCTURAL),
+    _node("memory.store.path", "", "the store every published MemoryEntry is also written to (created when "
+          "missing, reopened with its entries), and ~/query_memory answers from: a SQLite file (PATH or sqlite:PATH), "
+          "milvus:PATH.db (milvus-lite, embedded) or http(s)://HOST:PORT (a Milvus server; token from the "
+          "environment variable OXYGEN_MILVUS_TOKEN); empty = no store, no service", _MEMORY, when=STRUCTURAL),
+    _node("memory.store.collection", "oxygen_memory", "the collection of a Milvus store (letters, digits, _); "
+          "robots sharing a server and a collection share their memory; not used by a SQLite store", _MEMORY,
+          when=STRUCTURAL),
     _node("memory.store.queue_size", 256, "memory entries waiting for the store's writer thread; one beyond is "
           "dropped (counted, warned)", _MEMORY, low=1, high=1_000_000),
     _node("memory.store.synchronous", "full", "full: an entry is on disk when its write returns (survives a power "
-          "loss); normal: fewer fsyncs, survives a process crash", _MEMORY, choices=("full", "normal")),
+          "loss); normal: fewer fsyncs, survives a process crash; a Milvus store takes normal only", _MEMORY,
+          choices=("full", "normal")),
     _node("memory.store.max_age_s", 0.0, "retention: entries whose observation is older than this are removed "
           "(node clock); 0 = kept", _MEMORY, unit="s", low=0.0, high=1e12),
     _node("memory.store.max_count", 0, "retention: beyond this many entries the oldest are removed; 0 = no limit",
@@ -342,6 +347,7 @@ class MemorySettings:
     pose_max_age_s: float = 0.5
     fixed_frame: str = ""
     store_path: str = ""
+    collection: str = "oxygen_memory"
     queue_size: int = 256
     synchronous: str = "full"
     max_age_s: float = 0.0
@@ -625,6 +631,7 @@ def settings_from_values(values: Mapping[str, Any], log: Callable[[str], None] |
             robot=v["memory.robot"], pose_topic=v["memory.pose.topic"],
             pose_max_age_s=float(v["memory.pose.max_age_s"]),
             fixed_frame=v["memory.pose.fixed_frame"], store_path=v["memory.store.path"],
+            collection=v["memory.store.collection"],
             queue_size=int(v["memory.store.queue_size"]), synchronous=v["memory.store.synchronous"],
             max_age_s=float(v["memory.store.max_age_s"]), max_count=int(v["memory.store.max_count"]),
             duplicate_radius_m=float(v["memory.store.duplicate_radius_m"]),
