@@ -13,15 +13,18 @@ type           question                                                    answe
 ``start``      where on the table was the cube first seen?                 the side of the table the cube started on:
                                                                            ``right`` / ``middle`` / ``left`` (the
                                                                            captions' bins of its x: ±5 cm)
-``lifted``     when was the cube first held in the air?                    ``t=<whole seconds>`` of the node clock, or
-                                                                           ``never``; right within
-                                                                           :data:`TIME_TOLERANCE_S`
+``carried``    when did the right gripper last hold the cube in the air?   ``t=<whole seconds>`` of the node clock (the
+                                                                           end of its last carry), or ``never``; right
+                                                                           within :data:`TIME_TOLERANCE_S`
 ``holder_at``  which gripper held the cube at t=<whole seconds>?           ``right`` / ``left`` / ``both`` / ``none``
 ``last``       which gripper held the cube last?                           ``right`` / ``left`` / ``both`` / ``none``
 =============  ==========================================================  ==========================================
 
 The question's words are the retrieval's query (BM25 over the captions, :func:`oxygen_ros.memory.prompt.recall`), so
-each question carries a caption word that selects the entries it needs: ``table``, ``air``, ``gripper``.
+each question carries caption words that select the entries it needs (``table``, ``right gripper ... air``,
+``gripper``). Equal scores come newest first, so "last" questions suit it; a question about the first time
+something happened would get the latest such entries (the store's text ranking has no time order), and a question
+about a time gets entries by its words only (``holder_at``: the time in the question matches no caption).
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ import math
 import random
 import re
 
-QUESTION_TYPES = ("start", "lifted", "holder_at", "last")
+QUESTION_TYPES = ("start", "carried", "holder_at", "last")
 QUESTIONS = {
     "start": "where on the table was the cube first seen?",
-    "lifted": "when was the cube first held in the air?",
-    "holder_at": "which gripper held the cube at t={t}?",
+    "carried": "when did the right gripper last hold the cube in the air?",
+    "holder_at": "which gripper held the cube at {t}?",
     "last": "which gripper held the cube last?",
 }
+RIGHT_IN_AIR = "the right gripper holds the cube in the air"
 SIDES = ("left", "middle", "right")
 HOLDERS = ("right", "left", "both", "none")
 NEVER = "never"
@@ -74,13 +78,6 @@ def caption_side(caption: str) -> str | None:
     return match.group(1) if match else None
 
 
-def caption_in_air(caption: str) -> bool:
-    """Whether a caption says a gripper holds the cube in the air (both grippers hold it only off the table)."""
-    text = " ".join(caption.lower().split())
-    return text.startswith("both grippers hold") or (caption_holder(text) in ("left", "right")
-                                                      and text.endswith("in the air"))
-
-
 # ---------------------------------------------------------------------------------------------------
 # ground truth of one episode
 
@@ -92,14 +89,15 @@ class Truth:
     Attributes:
         start_side: the side of the table the cube lay on at the start.
         first_grasp_s: when a gripper first held the cube (None: never).
-        lifted_s: when a gripper first held the cube in the air for at least :data:`MIN_RUN_S` (None: never).
+        carried_until_s: when the right gripper last held the cube in the air, at the end of the last such hold of
+            at least :data:`MIN_RUN_S` (None: never).
         last_holder: the last gripper (or ``both``) that held the cube for at least :data:`MIN_RUN_S`, ``none``.
         start_s, end_s: the first and last sample's time.
     """
 
     start_side: str
     first_grasp_s: float | None
-    lifted_s: float | None
+    carried_until_s: float | None
     last_holder: str
     start_s: float
     end_s: float
@@ -134,12 +132,13 @@ def episode_truth(samples: list[dict]) -> Truth:
         raise ValueError(f"the episode does not start with the cube on the table: {captions[0]!r}")
     holders = [caption_holder(c) for c in captions]
     held = [t for t, h in zip(times, holders) if h != "none"]
-    lifted = [(start, end) for label, start, end in _runs(times, [caption_in_air(c) for c in captions])
-              if label and end - start >= MIN_RUN_S]
+    carried = [(start, end) for label, start, end in _runs(times, [" ".join(c.split()) == RIGHT_IN_AIR
+                                                                   for c in captions])
+               if label and end - start >= MIN_RUN_S]
     holds = [(label, start, end) for label, start, end in _runs(times, holders)
              if label != "none" and end - start >= MIN_RUN_S]
     return Truth(start_side=start_side, first_grasp_s=held[0] if held else None,
-                 lifted_s=lifted[0][0] if lifted else None, last_holder=holds[-1][0] if holds else "none",
+                 carried_until_s=carried[-1][1] if carried else None, last_holder=holds[-1][0] if holds else "none",
                  start_s=times[0], end_s=times[-1])
 
 
@@ -168,7 +167,7 @@ class Question:
         type: one of :data:`QUESTION_TYPES`.
         text: the question (the ``~/ask`` goal's instruction, and the retrieval's query).
         answer: the true answer: a word, or ``t=<whole seconds>`` for a time.
-        time_s: for ``lifted``, the true time [s] (None: never); for ``holder_at``, the time asked about.
+        time_s: for ``carried``, the true time [s] (None: never); for ``holder_at``, the time asked about.
         relevant: ids of the episode's memory entries whose ground truth bears on the answer (precision@k).
     """
 
@@ -222,8 +221,9 @@ def episode_questions(episode: str, samples: list[dict], entries: list[tuple[str
     grasp = truth.first_grasp_s if truth.first_grasp_s is not None else math.inf
     add("start", QUESTIONS["start"], truth.start_side, None,
         [e for e, stamp, _ in entries if stamp < grasp and caption_side(gt[e]) == truth.start_side])
-    add("lifted", QUESTIONS["lifted"], NEVER if truth.lifted_s is None else time_answer(truth.lifted_s),
-        truth.lifted_s, [e for e, _, _ in entries if caption_in_air(gt[e])])
+    add("carried", QUESTIONS["carried"],
+        NEVER if truth.carried_until_s is None else time_answer(truth.carried_until_s), truth.carried_until_s,
+        [e for e, _, _ in entries if " ".join(gt[e].split()) == RIGHT_IN_AIR])
     stamps = sorted(stamp for _, stamp, _ in entries)
     asked = float(math.floor(rng.choice(stamps)))
     add("holder_at", QUESTIONS["holder_at"].format(t=time_answer(asked)), holder_at(samples, asked), asked,
@@ -248,10 +248,10 @@ def parse_answer(text: str) -> str:
 
 
 def answer_correct(question: Question, text: str) -> bool:
-    """Whether a decoded answer is right: a time within :data:`TIME_TOLERANCE_S` of the truth (``lifted``), else
-    the same word (``never`` for a cube never lifted)."""
+    """Whether a decoded answer is right: a time within :data:`TIME_TOLERANCE_S` of the truth (``carried``), else
+    the same word (``never`` for a cube the right gripper never carried)."""
     given = parse_answer(text)
-    if question.type == "lifted" and question.time_s is not None:
+    if question.type == "carried" and question.time_s is not None:
         return given.startswith("t=") and abs(int(given[2:]) - question.time_s) <= TIME_TOLERANCE_S
     return given == question.answer
 
