@@ -18,8 +18,8 @@ What it is trained on: generated examples only — no recorded episode, no evalu
   :func:`~oxygen_ros.memory.prompt.memory_text` pick and write them (``--memory-k``, default 3: four lines of
   wall-clock stamps overflow the 200-token prompt).
 * **Targets** (:func:`copy_target`): with memory, the answer the lines give by a fixed rule (the side in the
-  oldest "on the <side> of the table" line; the stamp of the newest line that says the right gripper holds the cube
-  in the air, or ``never``; the holder in the line nearest the asked time; the holder in the newest line that names one) —
+  oldest "on the <side> of the table" line, else ``right``, the likelier start; the stamp of the newest line that says the right gripper holds the cube
+  in the air, or ``never``; the holder in the line nearest the asked time, however far; the holder in the newest line that names one) —
   copied, not guessed, so a wrong caption gives a wrong target exactly as it would mislead a reader; a quarter of
   the examples have no memory (``Memory: none``) and the true answer as target (the prior: what the model can know
   without memory; ``unknown`` for a time).
@@ -125,7 +125,7 @@ def copy_target(question: qs.Question, lines: list[tuple[float, str]]) -> str:
         held = [stamp for stamp, c in lines if " ".join(c.split()) == qs.RIGHT_IN_AIR]
         return qs.time_answer(held[-1]) if held else qs.NEVER
     if question.type == "holder_at":
-        near = [(abs(stamp - question.time_s), c) for stamp, c in lines if abs(stamp - question.time_s) <= 1.5]
+        near = [(abs(stamp - question.time_s), c) for stamp, c in lines]
         return qs.caption_holder(min(near)[1]) if near else qs.UNKNOWN
     holders = [qs.caption_holder(c) for _, c in lines if qs.caption_holder(c) != "none"]
     return holders[-1] if holders else "none"
