@@ -222,7 +222,7 @@ def train_qa(args: argparse.Namespace) -> dict:
 
     encoded = [encode(e) for e in examples]
     longest = max(len(p) for p, _ in encoded)
-    frames = start_images(cameras)
+    frames = start_images(cameras, IMAGE_SEEDS[:args.image_sets])
     with torch.no_grad():
         pixels = torch.stack([processor.images(f)[0] for f in frames])           # [S, C, 3, H, W]
         s, c = pixels.shape[:2]
@@ -271,7 +271,7 @@ def train_qa(args: argparse.Namespace) -> dict:
     facts = {
         "init_from": str(args.init_from), "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
         "warmup": args.warmup, "seed": args.seed, "memory_k": args.memory_k, "episodes": args.episodes,
-        "examples": len(examples), "longest_prompt_tokens": longest, "image_seeds": [IMAGE_SEEDS[0], IMAGE_SEEDS[-1]],
+        "examples": len(examples), "longest_prompt_tokens": longest, "image_seeds": [IMAGE_SEEDS[0], IMAGE_SEEDS[args.image_sets - 1]],
         "data_seconds": round(data_s, 1), "seconds": round(seconds, 1),
         "seconds_per_step": round(seconds / max(1, args.steps), 4), "final": history[-1] if history else None,
         "held_out_exact": {"right": right, "of": n_eval},
@@ -304,11 +304,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-episodes", type=int, default=50, help="generated held-out episodes")
     parser.add_argument("--eval-samples", type=int, default=200)
     parser.add_argument("--memory-k", type=int, default=3, help="entries in {memory} (the evaluation's)")
+    parser.add_argument("--image-sets", type=int, default=len(IMAGE_SEEDS),
+                        help=f"start-pose image sets (cube seeds from {IMAGE_SEEDS[0]}; at most {len(IMAGE_SEEDS)})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--log-every", type=int, default=50)
     args = parser.parse_args(argv)
-    for name in ("steps", "batch_size", "episodes", "memory_k", "threads", "log_every"):
+    if not 1 <= args.image_sets <= len(IMAGE_SEEDS):
+        parser.error(f"--image-sets must be in [1, {len(IMAGE_SEEDS)}], got {args.image_sets}")
+    for name in ("steps", "batch_size", "episodes", "eval_episodes", "memory_k", "threads", "log_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
