@@ -132,7 +132,7 @@ def test_scores_of_the_evaluation():
     from oxygen_ros.tools import memory_eval
 
     def row(kind, with_ok, without_ok, ranked, relevant):
-        return {"type": kind, "ranked": ranked, "relevant": relevant,
+        return {"type": kind, "answer": "right", "ranked": ranked, "relevant": relevant,
                 "with_memory": {"correct": with_ok}, "without_memory": {"correct": without_ok}}
 
     rows = [row("start", True, False, ["a", "b", "c"], ["a"]), row("last", True, True, ["d", "e"], ["e"]),
@@ -146,6 +146,7 @@ def test_scores_of_the_evaluation():
     assert s["p_at_3"] == pytest.approx((1 / 3 + 1 / 2 + 0) / 3)
     assert s["hit_at_3"] == pytest.approx(2 / 3) and s["with_relevant_entries"] == 3
     assert summary["start"]["with_memory"]["ci95"][0] < 1.0
+    assert s["best_constant"]["right"] == 4          # one question per type: its own answer is the most common
     assert "| all | 4 | 3 / 4 = 75 %" in memory_eval.format_table(summary, 3)
 
 
@@ -172,5 +173,6 @@ def test_the_shipped_question_set_is_consistent():
         else:       # the caption in force at the time asked (the samples are 20 ms apart: a change at that time aside)
             changes = episode["caption_changes"]
             before = [c for c in changes if c["t"] <= question.time_s]
-            assert question.answer == qs.caption_holder(before[-1]["caption"]) or any(
+            in_force = before[-1] if before else changes[0]      # asked before the first sample: the first
+            assert question.answer == qs.caption_holder(in_force["caption"]) or any(
                 abs(c["t"] - question.time_s) <= 0.02 for c in changes)

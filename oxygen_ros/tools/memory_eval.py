@@ -16,7 +16,8 @@
    :data:`~oxygen_ros.demo_task.questions.PROMPT_WITH_MEMORY` and with
    :data:`~oxygen_ros.demo_task.questions.PROMPT_WITHOUT_MEMORY`.
 3. **Scores**: answer accuracy per condition and question type (95 % Wilson intervals), the paired difference
-   (95 % bootstrap interval over questions), and the retrieval's precision at 1 and at ``--memory-k`` (the
+   (95 % bootstrap interval over questions), the best constant answer (per type the answer most of the set's
+   questions have: what a memoryless answer could at best get without seeing the episode), and the retrieval's precision at 1 and at ``--memory-k`` (the
    retrieved entries against those whose ground truth bears on the answer; ``recall`` on the same store, its
    ``--memory-k`` set checked against the goal's ``memory_entry_ids``). Written to ``<out>/memory_eval.json`` and
    ``<out>/memory_eval.md``.
@@ -141,6 +142,14 @@ def score(results: list[dict], k: int) -> dict:
         out[f"hit_at_{k}"] = (sum(any(e in r["relevant"] for e in r["ranked"][:k]) for r in ranked) / len(ranked)
                               if ranked else float("nan"))
         out["with_relevant_entries"] = len(ranked)
+        # The best any answer without memory can do that does not depend on the episode: per type the answer most
+        # of the set's questions have (read off the set itself, so an upper bound for a constant answer).
+        constant = 0
+        for kind in qs.QUESTION_TYPES:
+            answers = [r["answer"] for r in rows if r["type"] == kind]
+            constant += max((answers.count(a) for a in set(answers)), default=0)
+        out["best_constant"] = {"right": constant, "accuracy": constant / len(rows) if rows else float("nan"),
+                                "ci95": list(wilson(constant, len(rows))) if rows else [float("nan")] * 2}
         return out
 
     summary = {"all": block(results)}
@@ -153,8 +162,8 @@ def format_table(summary: dict, k: int) -> str:
     def pct(x: float) -> str:
         return "n/a" if x != x else f"{100 * x:.0f} %"
 
-    lines = [f"| questions | n | with memory | without memory | difference (95 % CI) | P@1 | P@{k} | hit@{k} |",
-             "|---|---:|---|---|---|---:|---:|---:|"]
+    lines = [f"| questions | n | with memory | without memory | difference (95 % CI) | best constant answer | "
+             f"P@1 | P@{k} | hit@{k} |", "|---|---:|---|---|---|---|---:|---:|---:|"]
     for name in ("all", *qs.QUESTION_TYPES):
         s = summary[name]
         w, wo, d = s["with_memory"], s["without_memory"], s["difference"]
@@ -162,7 +171,8 @@ def format_table(summary: dict, k: int) -> str:
             f"| {name} | {s['questions']} | {w['right']} / {s['questions']} = {pct(w['accuracy'])} "
             f"({pct(w['ci95'][0])}-{pct(w['ci95'][1])}) | {wo['right']} / {s['questions']} = {pct(wo['accuracy'])} "
             f"({pct(wo['ci95'][0])}-{pct(wo['ci95'][1])}) | {d['accuracy'] * 100:+.0f} points "
-            f"({d['ci95'][0] * 100:+.0f} to {d['ci95'][1] * 100:+.0f}) | {pct(s['p_at_1'])} | "
+            f"({d['ci95'][0] * 100:+.0f} to {d['ci95'][1] * 100:+.0f}) | {s['best_constant']['right']} / "
+            f"{s['questions']} = {pct(s['best_constant']['accuracy'])} | {pct(s['p_at_1'])} | "
             f"{pct(s[f'p_at_{k}'])} | {pct(s[f'hit_at_{k}'])} |")
     return "\n".join(lines)
 
