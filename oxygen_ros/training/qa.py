@@ -237,6 +237,13 @@ def train_qa(args: argparse.Namespace) -> dict:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.95))
     schedule = TrainConfig(data=Path("."), steps=args.steps, lr=args.lr, warmup=args.warmup)
+    extra = {k: v for k, v in policy.items() if k not in ("preset", "conventions", "tokenizer", "joint_names",
+                                                           "action_dt_s", "cameras", "instruction", "action_prompt",
+                                                           "speech_prompt", "memory_prompt", "action_subtask_prompt",
+                                                           "subtasks")}
+    base_facts = {"init_from": str(args.init_from), "steps": args.steps, "batch_size": args.batch_size,
+                  "lr": args.lr, "memory_k": args.memory_k, "episodes": args.episodes, "examples": len(examples),
+                  "prompt_with_memory": qs.PROMPT_WITH_MEMORY, "prompt_without_memory": qs.PROMPT_WITHOUT_MEMORY}
     rng = np.random.default_rng(args.seed)
     history, window = [], []
     model.train()
@@ -259,6 +266,12 @@ def train_qa(args: argparse.Namespace) -> dict:
             print(f"step {step + 1}: loss {mean[0]:.4f}, token accuracy {mean[1]:.3f}, "
                   f"{time.perf_counter() - start:.0f} s", flush=True)
             window = []
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            # a usable checkpoint part-way (a long CPU run can be stopped and still served); the final one replaces it
+            write_checkpoint(model, processor, args.out, {**extra, "qa": {
+                **base_facts, "partial": True, "step": step + 1, "seconds": round(time.perf_counter() - start, 1)}},
+                tuple(cameras))
+            model.train()
     seconds = time.perf_counter() - start
     model.eval()
     # held-out generated examples, greedy decoding: exact answers
@@ -277,10 +290,6 @@ def train_qa(args: argparse.Namespace) -> dict:
         "held_out_exact": {"right": right, "of": n_eval},
         "prompt_with_memory": qs.PROMPT_WITH_MEMORY, "prompt_without_memory": qs.PROMPT_WITHOUT_MEMORY,
         "trained_on": "generated episodes and memory entries (oxygen_ros/training/qa.py); no recorded episode"}
-    extra = {k: v for k, v in policy.items() if k not in ("preset", "conventions", "tokenizer", "joint_names",
-                                                           "action_dt_s", "cameras", "instruction", "action_prompt",
-                                                           "speech_prompt", "memory_prompt", "action_subtask_prompt",
-                                                           "subtasks")}
     extra["qa"] = facts
     directory = write_checkpoint(model, processor, args.out, extra, tuple(cameras))
     summary = {**facts, "history": history, "checkpoint": str(directory)}
@@ -296,8 +305,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--init-from", type=Path, default=demo_policy_dir(),
                         help="the demo policy checkpoint to start from (default: the shipped one)")
     parser.add_argument("--out", type=Path, default=Path("runs/train-qa"), help="output directory")
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=900)
+    parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--episodes", type=int, default=3000, help="generated episodes (four questions each)")
@@ -309,6 +318,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--save-every", type=int, default=200, help="a checkpoint every N steps (0: only at the end)")
     args = parser.parse_args(argv)
     if not 1 <= args.image_sets <= len(IMAGE_SEEDS):
         parser.error(f"--image-sets must be in [1, {len(IMAGE_SEEDS)}], got {args.image_sets}")
