@@ -10,8 +10,8 @@
 2. **The answers**: the oxygen node in this process serves ``--checkpoint`` (default ``runs/train-qa/checkpoint``,
    ``make train-qa``), the simulated robot runs beside it in a child process with the cube at seed
    ``--scene-seed`` (a scene none of the episodes had; it executes no action: the node's chunks go to a topic
-   nobody reads), so the camera frames never show what a question asks. Per episode the episode's entries are put
-   into a store file, the node is reconfigured with it (``memory.store.path``), and every question is asked over
+   nobody reads), so the camera frames never show what a question asks. The node's store (``memory.store.path``)
+   holds one episode's entries at a time (the next episode's replace them, by age), and every question is asked over
    DDS as an ``~/ask`` goal (task ``speech``, ``memory_k`` ``--memory-k``) twice: with
    :data:`~oxygen_ros.demo_task.questions.PROMPT_WITH_MEMORY` and with
    :data:`~oxygen_ros.demo_task.questions.PROMPT_WITHOUT_MEMORY`.
@@ -206,13 +206,22 @@ def node_parameters(checkpoint: str, store_path: str) -> dict:
         "speech.max_new_tokens": ANSWER_TOKENS, "memory.store.path": store_path}
 
 
-def _store(path: Path, entries: list) -> None:
-    from oxygen_ros.memory import MemoryRecord, open_store
+def _load_episode(path: Path, entries: list) -> None:
+    """Make the store at ``path`` hold exactly ``entries``: they are inserted, then every older entry is removed
+    (retention by count; the episodes come in time order). The node keeps the file open and reads it at each
+    question: no reconfiguration between episodes.
 
-    if path.exists():
-        path.unlink()
+    Raises:
+        RuntimeError: the store holds other entries afterwards.
+    """
+    from oxygen_ros.memory import MemoryRecord, RetentionPolicy, open_store
+
     with open_store(path) as store:
         store.insert([MemoryRecord(str(e), float(stamp), str(text)) for e, stamp, text in entries])
+        store.prune(RetentionPolicy(max_count=len(entries)))
+        held = sorted(r.entry_id for r in store.records())
+    if held != sorted(str(e) for e, _, _ in entries):
+        raise RuntimeError(f"the store holds {held}, not the episode's entries")
 
 
 def ask_all(question_set: dict, args, log) -> list[dict]:
@@ -236,12 +245,16 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
     from oxygen_ros.node.oxygen_node import OxygenNode
     from oxygen_ros.tools.child_process import package_pythonpath, start_child, stop_child
 
-    stores = args.out / "stores"
-    stores.mkdir(parents=True, exist_ok=True)
-    by_episode = {e["episode"]: e for e in question_set["episodes"]}
-    first = question_set["episodes"][0]
-    _store(stores / f"{first['episode']}.db", first["entries"])
-    params = node_parameters(str(args.checkpoint), str(stores / f"{first['episode']}.db"))
+    store_path = args.out / "memory.db"
+    order = sorted(question_set["episodes"], key=lambda e: min(stamp for _, stamp, _ in e["entries"]))
+    for before, after in zip(order, order[1:]):
+        if max(s for _, s, _ in before["entries"]) >= min(s for _, s, _ in after["entries"]):
+            raise RuntimeError(f"episodes {before['episode']} and {after['episode']} overlap in time: each episode's "
+                               "entries replace the one's before by age (RetentionPolicy max_count)")
+    if store_path.exists():
+        store_path.unlink()
+    _load_episode(store_path, order[0]["entries"])
+    params = node_parameters(str(args.checkpoint), str(store_path))
     cameras = [t.split("/")[2] for t in params["camera_topics"]]
     robot = start_child([sys.executable, "-P", "-m", "oxygen_ros.tools.sim_robot", "--ros-args",
                          "-p", f"seed:={args.scene_seed}", "-p", f"cameras:={json.dumps(cameras)}",
@@ -283,7 +296,14 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
 
     def ask(question: dict, template: str) -> dict:
         goal = Ask.Goal(task="speech", instruction=question["text"], prompt_template=template, memory_k=args.memory_k)
-        handle = wait(client.send_goal_async(goal), 60.0, f"goal {question['qid']}")
+        for attempt in range(3):     # a goal request can be lost in transport: sent again (a new goal)
+            try:
+                handle = wait(client.send_goal_async(goal), 20.0, f"goal {question['qid']}")
+                break
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+                log(f"goal {question['qid']}: no response to the goal request within 20 s; sent again")
         if not handle.accepted:
             raise RuntimeError(f"goal {question['qid']} rejected (the node's log says why)")
         response = wait(handle.get_result_async(), 120.0, f"result {question['qid']}")
@@ -303,15 +323,10 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
         wait_active(args.startup_timeout)
         if not client.wait_for_server(timeout_sec=30.0):
             raise RuntimeError(f"no /{NODE_NAME}/ask server")
-        current = first["episode"]
-        for name in dict.fromkeys(q["episode"] for q in question_set["questions"]):
-            episode = by_episode[name]
-            store_path = stores / f"{name}.db"
-            if name != current:
-                _store(store_path, episode["entries"])
-                oxygen.reconfigure({"memory.store.path": str(store_path)})
-                wait_active(args.startup_timeout)
-                current = name
+        for index, episode in enumerate(order):
+            name = episode["episode"]
+            if index:
+                _load_episode(store_path, episode["entries"])
             with open_store(store_path) as store:
                 ranked = {q["qid"]: [r.entry_id for r in recall(store, q["text"], args.memory_k)]
                           for q in question_set["questions"] if q["episode"] == name}
