@@ -220,6 +220,8 @@ def train_qa(args: argparse.Namespace) -> dict:
                                      budget, None)
         return prompt, tok.encode(example.answer) + [tok.eos_id]
 
+    # --time-repeat: the examples whose answer is a time (copied digit by digit) drawn that many times as often
+    examples = [e for e in examples for _ in range(args.time_repeat if e.answer.startswith("t=") else 1)]
     encoded = [encode(e) for e in examples]
     longest = max(len(p) for p, _ in encoded)
     frames = start_images(cameras, IMAGE_SEEDS[:args.image_sets])
@@ -284,6 +286,7 @@ def train_qa(args: argparse.Namespace) -> dict:
     facts = {
         "init_from": str(args.init_from), "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
         "warmup": args.warmup, "seed": args.seed, "memory_k": args.memory_k, "episodes": args.episodes,
+        "time_repeat": args.time_repeat,
         "examples": len(examples), "longest_prompt_tokens": longest, "image_seeds": [IMAGE_SEEDS[0], IMAGE_SEEDS[args.image_sets - 1]],
         "data_seconds": round(data_s, 1), "seconds": round(seconds, 1),
         "seconds_per_step": round(seconds / max(1, args.steps), 4), "final": history[-1] if history else None,
@@ -312,6 +315,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--episodes", type=int, default=3000, help="generated episodes (four questions each)")
     parser.add_argument("--eval-episodes", type=int, default=50, help="generated held-out episodes")
     parser.add_argument("--eval-samples", type=int, default=200)
+    parser.add_argument("--time-repeat", type=int, default=1,
+                        help="draw the examples whose answer is a time this many times as often (default 1)")
     parser.add_argument("--memory-k", type=int, default=3, help="entries in {memory} (the evaluation's)")
     parser.add_argument("--image-sets", type=int, default=len(IMAGE_SEEDS),
                         help=f"start-pose image sets (cube seeds from {IMAGE_SEEDS[0]}; at most {len(IMAGE_SEEDS)})")
@@ -322,7 +327,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 1 <= args.image_sets <= len(IMAGE_SEEDS):
         parser.error(f"--image-sets must be in [1, {len(IMAGE_SEEDS)}], got {args.image_sets}")
-    for name in ("steps", "batch_size", "episodes", "eval_episodes", "memory_k", "threads", "log_every"):
+    for name in ("steps", "batch_size", "episodes", "eval_episodes", "memory_k", "threads", "log_every", "time_repeat"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
