@@ -19,7 +19,9 @@
    (95 % bootstrap interval over questions), the best constant answer (per type the answer most of the set's
    questions have: what a memoryless answer could at best get without seeing the episode), and the retrieval's precision at 1 and at ``--memory-k`` (the
    retrieved entries against those whose ground truth bears on the answer; ``recall`` on the same store, its
-   ``--memory-k`` set checked against the goal's ``memory_entry_ids``). Written to ``<out>/memory_eval.json`` and
+   ``--memory-k`` set checked against the goal's ``memory_entry_ids``), and the retrieved lines read by the QA
+   training's rule (:func:`oxygen_ros.training.qa.copy_target`): what a perfect reader of those captions would
+   answer, and how often the model's answer is that one. Written to ``<out>/memory_eval.json`` and
    ``<out>/memory_eval.md``.
 
 Command line: ``python -m oxygen_ros.tools.memory_eval [--record DIR] [--checkpoint DIR] [--out DIR]``.
@@ -142,6 +144,14 @@ def score(results: list[dict], k: int) -> dict:
         out[f"hit_at_{k}"] = (sum(any(e in r["relevant"] for e in r["ranked"][:k]) for r in ranked) / len(ranked)
                               if ranked else float("nan"))
         out["with_relevant_entries"] = len(ranked)
+        # The lines read by the training's rule (training/qa.py copy_target): what a perfect reader of the retrieved
+        # captions would answer, and how often the model's answer is that one (it reads its memory as trained).
+        if all("rule" in r for r in rows):
+            rule_right = sum(r["rule"]["correct"] for r in rows)
+            out["rule"] = {"right": rule_right, "accuracy": rule_right / len(rows) if rows else float("nan"),
+                           "ci95": list(wilson(rule_right, len(rows))) if rows else [float("nan")] * 2,
+                           "model_follows": (sum(r["with_memory"]["parsed"] == qs.parse_answer(r["rule"]["answer"])
+                                                 for r in rows) / len(rows)) if rows else float("nan")}
         # The best any answer without memory can do that does not depend on the episode: per type the answer most
         # of the set's questions have (read off the set itself, so an upper bound for a constant answer).
         constant = 0
@@ -163,7 +173,8 @@ def format_table(summary: dict, k: int) -> str:
         return "n/a" if x != x else f"{100 * x:.0f} %"
 
     lines = [f"| questions | n | with memory | without memory | difference (95 % CI) | best constant answer | "
-             f"P@1 | P@{k} | hit@{k} |", "|---|---:|---|---|---|---|---:|---:|---:|"]
+             f"the lines read by rule | answer = rule | P@1 | P@{k} | hit@{k} |",
+             "|---|---:|---|---|---|---|---|---:|---:|---:|---:|"]
     for name in ("all", *qs.QUESTION_TYPES):
         s = summary[name]
         w, wo, d = s["with_memory"], s["without_memory"], s["difference"]
@@ -172,7 +183,9 @@ def format_table(summary: dict, k: int) -> str:
             f"({pct(w['ci95'][0])}-{pct(w['ci95'][1])}) | {wo['right']} / {s['questions']} = {pct(wo['accuracy'])} "
             f"({pct(wo['ci95'][0])}-{pct(wo['ci95'][1])}) | {d['accuracy'] * 100:+.0f} points "
             f"({d['ci95'][0] * 100:+.0f} to {d['ci95'][1] * 100:+.0f}) | {s['best_constant']['right']} / "
-            f"{s['questions']} = {pct(s['best_constant']['accuracy'])} | {pct(s['p_at_1'])} | "
+            f"{s['questions']} = {pct(s['best_constant']['accuracy'])} | "
+            + (f"{s['rule']['right']} / {s['questions']} = {pct(s['rule']['accuracy'])} | {pct(s['rule']['model_follows'])} | "
+               if "rule" in s else "n/a | n/a | ") + f"{pct(s['p_at_1'])} | "
             f"{pct(s[f'p_at_{k}'])} | {pct(s[f'hit_at_{k}'])} |")
     return "\n".join(lines)
 
@@ -244,6 +257,7 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
     from oxygen_ros.memory.prompt import recall
     from oxygen_ros.node.oxygen_node import OxygenNode
     from oxygen_ros.tools.child_process import package_pythonpath, start_child, stop_child
+    from oxygen_ros.training.qa import copy_target
 
     store_path = args.out / "memory.db"
     order = sorted(question_set["episodes"], key=lambda e: min(stamp for _, stamp, _ in e["entries"]))
@@ -328,8 +342,9 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
             if index:
                 _load_episode(store_path, episode["entries"])
             with open_store(store_path) as store:
-                ranked = {q["qid"]: [r.entry_id for r in recall(store, q["text"], args.memory_k)]
-                          for q in question_set["questions"] if q["episode"] == name}
+                recalled = {q["qid"]: recall(store, q["text"], args.memory_k)
+                            for q in question_set["questions"] if q["episode"] == name}
+            ranked = {qid: [r.entry_id for r in records] for qid, records in recalled.items()}
             for data in (q for q in question_set["questions"] if q["episode"] == name):
                 question = qs.Question.from_json(data)
                 with_memory = ask(data, qs.PROMPT_WITH_MEMORY)
@@ -338,8 +353,11 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
                     raise RuntimeError(f"{data['qid']}: the node's memory {with_memory['memory_entry_ids']} is not "
                                        f"recall's {ranked[data['qid']]}")
                 top = ranked[data["qid"]]
+                lines = sorted((r.stamp_s, r.text) for r in recalled[data["qid"]])
+                rule = copy_target(question, lines)
                 row = {"qid": question.qid, "episode": name, "type": question.type, "question": question.text,
                        "answer": question.answer, "relevant": list(question.relevant), "ranked": top,
+                       "lines": lines, "rule": {"answer": rule, "correct": qs.answer_correct(question, rule)},
                        "with_memory": {**with_memory, "parsed": qs.parse_answer(with_memory["text"]),
                                        "correct": qs.answer_correct(question, with_memory["text"])},
                        "without_memory": {"text": without["text"], "parsed": qs.parse_answer(without["text"]),
