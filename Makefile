@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 WITH_ENV := source scripts/env.sh &&
 
-.PHONY: setup test test-fast demo demo-data train-demo eval-demo bench-model bench-engine bench-fleet bench-roofline clean
+.PHONY: setup test test-fast demo demo-data train-demo eval-demo memory-record train-qa eval-memory bench-model bench-engine bench-fleet bench-roofline clean
 
 setup:
 	@bash scripts/setup_env.sh
@@ -57,6 +57,21 @@ train-demo: setup
 EVAL_CHECKPOINT ?= oxygen_ros/assets/demo_policy
 eval-demo: setup
 	@$(WITH_ENV) python -m oxygen_ros.tools.evaluate --checkpoint $(EVAL_CHECKPOINT) $(EVAL_ARGS)
+
+# Answers from memory (docs/memory.md, "Measured: answers with and without memory"): a recorded run of the demo
+# (real-time episodes of 20 s through the node with the shipped policy; held-out cube seeds 5000-5023, never
+# trained on), the QA fine-tune of the demo policy on generated memory lines, and the demo's questions asked
+# through ~/ask with and without {memory}. eval-memory reads the shipped question set
+# (oxygen_ros/demo_task/demo_questions.json) unless MEMORY_ARGS="--record runs/memory-record".
+memory-record: setup
+	@$(WITH_ENV) python -m oxygen_ros.tools.evaluate --conditions node-realtime --chunking rtc --max-steps 990 \
+		--episodes 24 --start-seed 5000 --memory-every 2 --out runs/memory-record $(RECORD_ARGS)
+
+train-qa: setup
+	@$(WITH_ENV) python -m oxygen_ros.training.qa --out runs/train-qa $(QA_ARGS)
+
+eval-memory: setup
+	@$(WITH_ENV) python -m oxygen_ros.tools.memory_eval --checkpoint runs/train-qa/checkpoint $(MEMORY_ARGS)
 
 # The same programs as the console scripts `oxygen-bench-model` / `oxygen-bench-engine` of `pip install .`.
 bench-model: setup
