@@ -1,5 +1,5 @@
 """The demo's question set (oxygen_ros/demo_task/questions.py): ground truth and questions from hand-made simulator
-samples, answer parsing and scoring, the QA fine-tune's generated examples and copy rule (training/qa.py), the
+samples, answer parsing and scoring, the copy rule (answer_from_lines), the QA fine-tune's generated examples (training/qa.py), the
 evaluation's scores (tools/memory_eval.py) and the shipped question set. No rclpy, no model."""
 from __future__ import annotations
 
@@ -113,11 +113,12 @@ def test_generated_training_examples_follow_the_copy_rule():
     lines = [(T0 + 1.0, ON_RIGHT), (T0 + 5.0, RIGHT_AIR), (T0 + 7.0, RIGHT_AIR), (T0 + 9.1, BOTH)]
     q = {kind: qs.Question(f"x-{kind}", "x", kind, "", "", T0 + 7.0 if kind == "holder_at" else None, ())
          for kind in qs.QUESTION_TYPES}
-    assert qa.copy_target(q["start"], lines) == "right"
-    assert qa.copy_target(q["carried"], lines) == "t=1796500007"
-    assert qa.copy_target(q["holder_at"], lines) == "right"
-    assert qa.copy_target(q["last"], lines) == "both"
-    assert qa.copy_target(q["carried"], lines[:1]) == qs.NEVER and qa.copy_target(q["last"], lines[:1]) == "none"
+    assert qs.answer_from_lines(q["start"], lines) == "right"
+    assert qs.answer_from_lines(q["carried"], lines) == "t=1796500007"
+    assert qs.answer_from_lines(q["holder_at"], lines) == "right"
+    assert qs.answer_from_lines(q["last"], lines) == "both"
+    assert qs.answer_from_lines(q["carried"], lines[:1]) == qs.NEVER
+    assert qs.answer_from_lines(q["last"], lines[:1]) == "none"
     examples = qa.make_examples(12, seed=5)
     assert len(examples) == 48
     assert {e.prompt for e in examples if "Memory: none" in e.prompt} == {qs.PROMPT_WITHOUT_MEMORY}

@@ -310,6 +310,39 @@ def test_memory_prompt_recall_text_and_template(store):
     assert filled.format(instruction="where?", state="s") == "Memory: t=1.0s: a {weird} caption\nQ: where? {memory} s"
 
 
+def test_memory_prompt_recall_of_a_question_that_names_a_time(store):
+    from oxygen_ros.memory.prompt import question_time, recall
+
+    # the memory lines' notation t=<seconds> (s optional, a sentence's full stop after it); nothing else
+    assert question_time("which gripper held the cube at t=1012?") == 1012.0
+    assert question_time("what was on the table at t = 12.5 s.") == 12.5
+    assert question_time("at t=3. and then?") == 3.0
+    assert question_time("restart=5 or at=7") is None
+    assert question_time("where is the cube?") is None
+    # the entries nearest the time, nearest first (ties: the earlier first), whatever the words say
+    assert [r.entry_id for r in recall(store, "what was seen at t=33s?", k=2)] == ["c", "d"]
+    assert [r.entry_id for r in recall(store, "the giraffe at t=45", k=3)] == ["d", "e", "c"]
+    assert [r.entry_id for r in recall(store, "at t=45", k=3, robot="r1")] == ["d", "c", "f"]
+    assert [r.entry_id for r in recall(store, "the red cube at t=1000", k=1)] == ["f"]
+    assert [r.entry_id for r in recall(store, "at t=-5", k=2)] == ["a", "b"]
+    assert [r.entry_id for r in recall(store, "at t=45", k=1, robot="nobody")] == []
+
+
+def test_memory_prompt_recall_near_a_time_among_more_entries_than_one_query_returns(stores):
+    from oxygen_ros.memory.prompt import nearest_in_time
+
+    # 200 entries 10 ms apart after t = 99.5 s and two long before: the 2 s window after t holds more than one
+    # query returns (64), so it is bisected until the oldest after t are in it
+    entries = [_record(f"n{i:03d}", 100.0 + 0.01 * i, "the cube on the table") for i in range(200)]
+    entries += [_record("old1", 10.0, "the cube on the table"), _record("old2", 20.0, "the cube on the table")]
+    with stores.open("dense") as dense:
+        dense.insert(entries)
+        assert [r.entry_id for r in nearest_in_time(dense, 99.5, 3)] == ["n000", "n001", "n002"]
+        assert [r.entry_id for r in nearest_in_time(dense, 60.0, 2)] == ["old2", "n000"]
+        with pytest.raises(ValueError):
+            nearest_in_time(dense, 60.0, 0)
+
+
 @pytest.mark.ros
 def test_writer_drops_and_counts_beyond_its_queue_then_stores_what_is_queued(tmp_path):
     import threading

@@ -20,11 +20,12 @@ type           question                                                    answe
 ``last``       which gripper held the cube last?                           ``right`` / ``left`` / ``both`` / ``none``
 =============  ==========================================================  ==========================================
 
-The question's words are the retrieval's query (BM25 over the captions, :func:`oxygen_ros.memory.prompt.recall`), so
-each question carries caption words that select the entries it needs (``table``, ``right gripper ... air``,
-``gripper``). Equal scores come newest first, so "last" questions suit it; a question about the first time
-something happened would get the latest such entries (the store's text ranking has no time order), and a question
-about a time gets entries by its words only (``holder_at``: the time in the question matches no caption).
+The retrieval (:func:`oxygen_ros.memory.prompt.recall`) takes a question that names a time (``t=<seconds>``, the
+memory lines' own notation: ``holder_at``) to the entries nearest that time; for the others the question's words
+are the query (BM25 over the captions), so each question carries caption words that select the entries it needs
+(``table``, ``right gripper ... air``, ``gripper``). Equal scores come newest first, so "last" questions suit it;
+a question about the first time something happened gets the latest such entries (the store's text ranking has no
+time order: ``start``).
 """
 
 from __future__ import annotations
@@ -263,3 +264,24 @@ def precision_at_k(retrieved: list[str], relevant: set[str], k: int) -> float | 
     if not relevant or not top:
         return None
     return sum(e in relevant for e in top) / len(top)
+
+
+def answer_from_lines(question: Question, lines: list[tuple[float, str]]) -> str:
+    """The answer that memory lines ``(stamp [s], caption)``, oldest first, give by a fixed rule — what a reader
+    that copies from them answers (the QA training's target, training/qa.py; the evaluation's "lines read by
+    rule"): ``start``: the side in the oldest "on the <side> of the table" line, else ``right`` (the likelier
+    start); ``carried``: ``t=<stamp>`` of the newest line saying the right gripper holds the cube in the air, else
+    ``never``; ``holder_at``: the holder in the line nearest the asked time, however far (``unknown`` without
+    lines); ``last``: the holder in the newest line that names one, else ``none``. A wrong caption gives a wrong
+    answer, as it would mislead a reader."""
+    if question.type == "start":
+        sides = [caption_side(c) for _, c in lines if caption_side(c)]
+        return sides[0] if sides else "right"
+    if question.type == "carried":
+        held = [stamp for stamp, c in lines if " ".join(c.split()) == RIGHT_IN_AIR]
+        return time_answer(held[-1]) if held else NEVER
+    if question.type == "holder_at":
+        near = [(abs(stamp - question.time_s), c) for stamp, c in lines]
+        return caption_holder(min(near)[1]) if near else UNKNOWN
+    holders = [caption_holder(c) for _, c in lines if caption_holder(c) != "none"]
+    return holders[-1] if holders else "none"

@@ -1,13 +1,16 @@
 """Memory in a language prompt: the ``{memory}`` field of an ``~/ask`` prompt template (docs/memory.md,
 "Answers from memory"). No rclpy.
 
-* :func:`recall` — the entries for a question: the best BM25 matches of its words, else the newest.
+* :func:`recall` — the entries for a question: those nearest the time it names (``t=<seconds>``), else the best
+  BM25 matches of its words, else the newest.
 * :func:`memory_text` — those entries as one line of text, oldest first, each with its time (and place).
 * :func:`fill_memory` — a template with ``{memory}`` replaced by that text, its other fields kept.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import string
 
 from oxygen_ros.memory.records import MemoryQuery, MemoryRecord
@@ -15,12 +18,56 @@ from oxygen_ros.memory.store import MemoryStore
 
 MEMORY_FIELD = "memory"
 DEFAULT_K = 5
+# a time in a question, written as the memory lines write it: t=<seconds>, optionally followed by s
+TIME_IN_QUESTION = re.compile(r"(?<![\w.])t\s*=\s*([-+]?\d+(?:\.\d+)?)(?!\d|\.\d)")
+
+
+def question_time(question: str) -> float | None:
+    """The time a question names in the memory lines' own notation, ``t=<seconds>`` (optionally ``s``; the node's
+    clock, as :func:`memory_text` writes it), e.g. ``"which gripper held the cube at t=1012?"`` -> 1012.0; None
+    when it names none. The first such time counts."""
+    match = TIME_IN_QUESTION.search(question)
+    return float(match.group(1)) if match else None
+
+
+def nearest_in_time(store: MemoryStore, t_s: float, k: int, robot: str | None = None) -> list[MemoryRecord]:
+    """The ``k`` stored records whose stamps are nearest ``t_s`` [s] (ties: the earlier first), nearest first.
+    ``robot``: that robot's only. Two time-window queries: the ``k`` newest at or before ``t_s``, and the ``k``
+    oldest after it (a window from 2 s that grows fourfold until it holds ``k``, bisected where it holds more
+    than one query returns). Raises ValueError for ``k`` < 1, and the store's errors."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    before = store.query(MemoryQuery(until_s=t_s, robot=robot, k=k))
+    after: list = []
+    width, fewer, more, cap = 2.0, 0.0, None, max(4 * k, 64)
+    for _ in range(64):                         # a window [t, t + width] after t: grown, or bisected
+        hits = store.query(MemoryQuery(since_s=math.nextafter(t_s, math.inf), until_s=t_s + width, robot=robot,
+                                       k=cap))
+        if len(hits) >= cap:                    # more than one query returns: its oldest may be cut off
+            more, width = width, (fewer + width) / 2.0
+            continue
+        after = hits
+        if len(hits) >= k or width >= 1.0e9:
+            break
+        fewer, width = width, width * 4.0 if more is None else (width + more) / 2.0
+    hits = sorted((h.record for h in list(before) + list(after)),
+                  key=lambda r: (abs(r.stamp_s - t_s), r.stamp_s, r.entry_id))
+    return hits[:k]
 
 
 def recall(store: MemoryStore, question: str, k: int = DEFAULT_K, robot: str | None = None) -> list[MemoryRecord]:
-    """At most ``k`` stored records for ``question``: those whose captions share words with it, best BM25 first;
-    when none does (or the question has no words), the ``k`` newest. ``robot``: that robot's only (None: all).
-    Raises ValueError for ``k`` < 1, and the store's errors."""
+    """At most ``k`` stored records for ``question``. A question that names a time as the memory lines write it
+    (``t=<seconds>``, :func:`question_time`) gets the ``k`` records nearest that time (:func:`nearest_in_time`;
+    its words do not rank them); any other gets those whose captions share words with it, best BM25 first; when
+    none does (or the question has no words), the ``k`` newest. ``robot``: that
+    robot's only (None: all). Raises ValueError for ``k`` < 1, and the store's errors."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    t_s = question_time(question)
+    if t_s is not None:
+        records = nearest_in_time(store, t_s, k, robot)
+        if records:
+            return records
     hits = store.query(MemoryQuery(text=question, robot=robot, k=k)) if question.strip() else []
     if not hits:
         hits = store.query(MemoryQuery(robot=robot, k=k))

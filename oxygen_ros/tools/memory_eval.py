@@ -20,7 +20,7 @@
    questions have: what a memoryless answer could at best get without seeing the episode), and the retrieval's precision at 1 and at ``--memory-k`` (the
    retrieved entries against those whose ground truth bears on the answer; ``recall`` on the same store, its
    ``--memory-k`` set checked against the goal's ``memory_entry_ids``), and the retrieved lines read by the QA
-   training's rule (:func:`oxygen_ros.training.qa.copy_target`): what a perfect reader of those captions would
+   training's rule (:func:`oxygen_ros.demo_task.questions.answer_from_lines`): what a perfect reader of those captions would
    answer, and how often the model's answer is that one. Written to ``<out>/memory_eval.json`` and
    ``<out>/memory_eval.md``.
 
@@ -144,7 +144,7 @@ def score(results: list[dict], k: int) -> dict:
         out[f"hit_at_{k}"] = (sum(any(e in r["relevant"] for e in r["ranked"][:k]) for r in ranked) / len(ranked)
                               if ranked else float("nan"))
         out["with_relevant_entries"] = len(ranked)
-        # The lines read by the training's rule (training/qa.py copy_target): what a perfect reader of the retrieved
+        # The lines read by the training's rule (demo_task/questions.py answer_from_lines): what a perfect reader of the retrieved
         # captions would answer, and how often the model's answer is that one (it reads its memory as trained).
         if all("rule" in r for r in rows):
             rule_right = sum(r["rule"]["correct"] for r in rows)
@@ -247,7 +247,6 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
     from action_msgs.msg import GoalStatus
     from rclpy.action import ActionClient
     from rclpy.context import Context
-    from rclpy.executors import MultiThreadedExecutor
     from rclpy.node import Node
     from rclpy.parameter import Parameter
     from rclpy.signals import SignalHandlerOptions
@@ -255,9 +254,9 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
     from oxygen_ros.action import Ask
     from oxygen_ros.memory import open_store
     from oxygen_ros.memory.prompt import recall
+    from oxygen_ros.node.executor import TransitionExecutor
     from oxygen_ros.node.oxygen_node import OxygenNode
     from oxygen_ros.tools.child_process import package_pythonpath, start_child, stop_child
-    from oxygen_ros.training.qa import copy_target
 
     store_path = args.out / "memory.db"
     order = sorted(question_set["episodes"], key=lambda e: min(stamp for _, stamp, _ in e["entries"]))
@@ -276,7 +275,7 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
                         args.out / "sim_robot.log", env=package_pythonpath(os.environ))
     context = Context()
     rclpy.init(args=[], context=context, signal_handler_options=SignalHandlerOptions.NO)
-    executor = MultiThreadedExecutor(num_threads=4, context=context)
+    executor = None
     stop = threading.Event()
     oxygen = client_node = client = None
     rows: list[dict] = []
@@ -329,6 +328,10 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
     spinner = threading.Thread(target=spin, daemon=True)
     try:
         oxygen = OxygenNode(NODE_NAME, context=context, parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+        # the node's own executor (oxygen_ros/node/executor.py): callbacks inline, transitions on a worker; a
+        # MultiThreadedExecutor spun here ran its spin_once loop at a full core while an ~/ask goal executed, and
+        # its GIL took the control-cycle thread's time (the evaluation ran 10x slower on an idle machine)
+        executor = TransitionExecutor(oxygen.runs_long, context=context)
         client_node = Node("memory_eval", context=context)
         client = ActionClient(client_node, Ask, f"/{NODE_NAME}/ask")
         executor.add_node(oxygen)
@@ -354,7 +357,7 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
                                        f"recall's {ranked[data['qid']]}")
                 top = ranked[data["qid"]]
                 lines = sorted((r.stamp_s, r.text) for r in recalled[data["qid"]])
-                rule = copy_target(question, lines)
+                rule = qs.answer_from_lines(question, lines)
                 row = {"qid": question.qid, "episode": name, "type": question.type, "question": question.text,
                        "answer": question.answer, "relevant": list(question.relevant), "ranked": top,
                        "lines": lines, "rule": {"answer": rule, "correct": qs.answer_correct(question, rule)},
@@ -370,7 +373,8 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
         stop.set()
         if spinner.is_alive():
             spinner.join(timeout=5.0)
-        executor.shutdown(timeout_sec=5.0)
+        if executor is not None:
+            executor.shutdown(timeout_sec=5.0)
         if client is not None:
             client.destroy()
         if oxygen is not None:

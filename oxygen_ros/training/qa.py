@@ -17,7 +17,8 @@ What it is trained on: generated examples only — no recorded episode, no evalu
   node puts into ``{memory}``: the entries go into a SQLite store and :func:`oxygen_ros.memory.prompt.recall` /
   :func:`~oxygen_ros.memory.prompt.memory_text` pick and write them (``--memory-k``, default 3: four lines of
   wall-clock stamps overflow the 200-token prompt).
-* **Targets** (:func:`copy_target`): with memory, the answer the lines give by a fixed rule (the side in the
+* **Targets** (:func:`oxygen_ros.demo_task.questions.answer_from_lines`): with memory, the answer the lines give
+  by a fixed rule (the side in the
   oldest "on the <side> of the table" line, else ``right``, the likelier start; the stamp of the newest line that says the right gripper holds the cube
   in the air, or ``never``; the holder in the line nearest the asked time, however far; the holder in the newest line that names one) —
   copied, not guessed, so a wrong caption gives a wrong target exactly as it would mislead a reader; a quarter of
@@ -116,21 +117,6 @@ def synthetic_entries(samples: list[dict], rng: random.Random, period_s: float =
     return entries
 
 
-def copy_target(question: qs.Question, lines: list[tuple[float, str]]) -> str:
-    """The answer the memory lines ``(stamp, caption)`` (oldest first) give by the rule in the module docstring."""
-    if question.type == "start":
-        sides = [qs.caption_side(c) for _, c in lines if qs.caption_side(c)]
-        return sides[0] if sides else "right"
-    if question.type == "carried":
-        held = [stamp for stamp, c in lines if " ".join(c.split()) == qs.RIGHT_IN_AIR]
-        return qs.time_answer(held[-1]) if held else qs.NEVER
-    if question.type == "holder_at":
-        near = [(abs(stamp - question.time_s), c) for stamp, c in lines]
-        return qs.caption_holder(min(near)[1]) if near else qs.UNKNOWN
-    holders = [qs.caption_holder(c) for _, c in lines if qs.caption_holder(c) != "none"]
-    return holders[-1] if holders else "none"
-
-
 def no_memory_target(question: qs.Question) -> str:
     """Without memory: the true answer, where it is a word; ``unknown`` for a time."""
     return qs.UNKNOWN if question.answer.startswith("t=") else question.answer
@@ -167,7 +153,7 @@ def make_examples(n_episodes: int, seed: int, memory_k: int = 3, no_memory: floa
                     text, _ = memory_text(records)
                     lines = sorted((r.stamp_s, r.text) for r in records)
                     examples.append(Example(fill_memory(qs.PROMPT_WITH_MEMORY, text), question.text,
-                                            copy_target(question, lines)))
+                                            qs.answer_from_lines(question, lines)))
             (Path(tmp) / f"{n}.db").unlink()
     return examples
 
