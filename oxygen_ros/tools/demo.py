@@ -16,7 +16,10 @@ What runs:
     * a recorder (:mod:`oxygen_ros.tools.bag_recorder`) that writes every topic to
       ``runs/<timestamp>/bag`` (rosbag2, MCAP);
     * this process publishes the instruction (latched) and follows the outputs.
-The node, the recorder and the follower share one multi-threaded executor in this process; the robot
+The node, the recorder and the follower share one executor in this process, the one the ``oxygen_node``
+executable spins (:class:`oxygen_ros.node.executor.TransitionExecutor`: callbacks on the spinning thread,
+lifecycle transitions on a worker; a MultiThreadedExecutor here took the control-cycle thread's time, docs/demo.md
+"Measured"); the robot
 process is ended with this one in every case (SIGINT, SIGTERM, errors, and the kernel's parent-death
 signal if this process is killed). On a robot the same nodes come up with ``ros2 launch``.
 
@@ -48,7 +51,6 @@ if __name__ == "__main__":
 import rclpy  # noqa: E402
 import yaml  # noqa: E402
 from rclpy.context import Context  # noqa: E402
-from rclpy.executors import MultiThreadedExecutor  # noqa: E402
 from rclpy.node import Node  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy  # noqa: E402
@@ -60,6 +62,7 @@ from oxygen_ros.assets import demo_policy_dir, policy_cameras, read_policy_file 
 from oxygen_ros.models.processing import ACTION_PROMPT  # noqa: E402
 from oxygen_ros.msg import ActionChunk, MemoryEntry, Speech  # noqa: E402
 from oxygen_ros.models import get_preset  # noqa: E402
+from oxygen_ros.node.executor import TransitionExecutor  # noqa: E402
 from oxygen_ros.node.parameters import overrides, rtc_parameters  # noqa: E402
 from oxygen_ros.tools import demo_data, demo_rate, sim_robot  # noqa: E402
 from oxygen_ros.tools.bag_recorder import BagRecorder, default_run_dir  # noqa: E402
@@ -367,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     context = Context()
     rclpy.init(args=[], context=context, signal_handler_options=SignalHandlerOptions.NO)
     robot = _start_robot(args, run_dir / "sim_robot.log")
-    executor = MultiThreadedExecutor(num_threads=4, context=context)
+    executor = None
     nodes: list[Node] = []
     recorder = follower = oxygen = None
     status = 1
@@ -375,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         oxygen = OxygenNode(NODE_NAME, context=context,
                             parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
         nodes.append(oxygen)
+        # the oxygen_node executable's executor (oxygen_ros/node/executor.py; docs/demo.md "Measured")
+        executor = TransitionExecutor(oxygen.runs_long, context=context)
         follower = DemoFollower(args.instruction, oxygen, context=context)
         nodes.append(follower)
         for node in nodes:
@@ -428,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         # control-cycle thread (a daemon) was found still inside a torch op at teardown in the aborted
         # runs, so it must be joined: the executor's worker threads first (no callback in flight), then
         # the cycle thread (release), the nodes, the context (shut down and destroyed).
-        executor.shutdown(timeout_sec=5.0)
+        if executor is not None:
+            executor.shutdown(timeout_sec=5.0)
         if oxygen is not None:
             oxygen.release()
         for node in reversed(nodes):

@@ -64,7 +64,7 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
     """Episodes of ``node-lockstep`` or ``node-realtime`` for the :class:`~oxygen_ros.tools.evaluate.conditions.Run`
     s of the condition (its execution schemes), interleaved: per seed one episode of each run, in turn (the order
     reversed every other seed), so that the runs share the machine's state alike. The oxygen node runs in this
-    process (one multi-threaded executor, as tools/demo.py) with ``params``; a run whose node parameters differ
+    process (spun by the ``oxygen_node`` executable's executor, as in tools/demo.py) with ``params``; a run whose node parameters differ
     from the ones in force reconfigures it first (deactivate, cleanup, the parameters, configure, activate), as
     a lifecycle manager would. The robot runs in a child process per episode. Returns the records per run name.
 
@@ -74,15 +74,15 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
     """
     import rclpy
     from rclpy.context import Context
-    from rclpy.executors import MultiThreadedExecutor
     from rclpy.parameter import Parameter
     from rclpy.signals import SignalHandlerOptions
 
+    from oxygen_ros.node.executor import TransitionExecutor
     from oxygen_ros.node.oxygen_node import OxygenNode
 
     context = Context()
     rclpy.init(args=[], context=context, signal_handler_options=SignalHandlerOptions.NO)
-    executor = MultiThreadedExecutor(num_threads=4, context=context)
+    executor = None
     oxygen = follower = None
     records: dict[str, list[dict]] = {run.name: [] for run in runs}
     stop = threading.Event()
@@ -90,6 +90,9 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
     try:
         oxygen = OxygenNode(NODE_NAME, context=context,
                             parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+        # the oxygen_node executable's executor (oxygen_ros/node/executor.py): a MultiThreadedExecutor here took the
+        # control-cycle thread's time (docs/demo.md "Measured")
+        executor = TransitionExecutor(oxygen.runs_long, context=context)
         follower = _Follower(context)
         executor.add_node(oxygen)
         executor.add_node(follower.node)
@@ -168,8 +171,10 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
             log(f"{run.name} episode {seed}: {episode_line(record)}")
     finally:
         stop.set()
-        spinner.join(timeout=5.0)
-        executor.shutdown(timeout_sec=5.0)
+        if spinner.is_alive():
+            spinner.join(timeout=5.0)
+        if executor is not None:
+            executor.shutdown(timeout_sec=5.0)
         if oxygen is not None:
             oxygen.release()
             oxygen.destroy_node()
