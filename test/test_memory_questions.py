@@ -177,3 +177,24 @@ def test_the_shipped_question_set_is_consistent():
             in_force = before[-1] if before else changes[0]      # asked before the first sample: the first
             assert question.answer == qs.caption_holder(in_force["caption"]) or any(
                 abs(c["t"] - question.time_s) <= 0.02 for c in changes)
+
+
+def test_a_malformed_question_file_is_refused_before_any_node_starts(tmp_path, capsys):
+    from pathlib import Path
+
+    from oxygen_ros.assets import demo_policy_dir
+    from oxygen_ros.tools import memory_eval
+
+    shipped = memory_eval.read_question_set(memory_eval.SHIPPED_QUESTIONS)
+    assert len(shipped["questions"]) == 96
+    bad = {"empty.json": "{}", "text.json": "not json", "none.json": json.dumps({**shipped, "questions": []}),
+           "orphan.json": json.dumps({**shipped, "questions": [{**shipped["questions"][0], "episode": "nowhere"}]}),
+           "entries.json": json.dumps({**shipped, "episodes": [{**shipped["episodes"][0], "entries": [[1]]}]})}
+    for name, text in bad.items():
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ValueError):
+            memory_eval.read_question_set(path)
+        assert memory_eval.main(["--questions", str(path), "--checkpoint", str(Path(demo_policy_dir())),
+                                 "--out", str(tmp_path / "out")]) == 2
+        assert "error: --questions" in capsys.readouterr().err

@@ -287,6 +287,16 @@ def test_cli_query_prune_export_stats(stores, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert cli(name + ["query", path, "--near", "0", "0", "0"]) == 1
     assert "radius" in capsys.readouterr().err
+    assert cli(name + ["query", path, "--radius", "2"]) == 1
+    assert "--near" in capsys.readouterr().err
+    # readers never create a store: a mistyped collection is refused and not left behind
+    typo = ["--collection", stores.collection("typo")]
+    for command in (["query", path, "--text", "cube"], ["stats", path], ["export", path]):
+        assert cli(typo + command) == (1 if stores.backend == "milvus" else 0)
+    if stores.backend == "milvus":
+        assert "no memory store collection" in capsys.readouterr().err
+        with stores.open("cli") as store:
+            assert not store._client.has_collection(stores.collection("typo"))
 
 
 def test_memory_prompt_recall_text_and_template(store):

@@ -54,7 +54,8 @@ def parse_location(location: Path | str) -> tuple[str, str]:
     return backend, target
 
 
-def open_store(location: Path | str, synchronous: str = "full", collection: str = "oxygen_memory") -> MemoryStore:
+def open_store(location: Path | str, synchronous: str = "full", collection: str = "oxygen_memory",
+               create: bool = True) -> MemoryStore:
     """The store at ``location`` (:func:`parse_location`): a SQLite file (created when missing), a milvus-lite
     directory (created when missing) or a Milvus server's ``collection`` (created when missing).
 
@@ -63,9 +64,13 @@ def open_store(location: Path | str, synchronous: str = "full", collection: str 
         synchronous: ``"full"`` or ``"normal"`` (SQLite); a Milvus store takes ``"normal"`` only
             (:class:`~oxygen_ros.memory.milvus_store.MilvusMemoryStore` says why).
         collection: the Milvus collection; not used by SQLite (one file, one store).
+        create: False: a store that does not exist yet is refused (FileNotFoundError), not created — for readers
+            (a mistyped collection must not leave an empty one on a shared server).
 
     Raises:
         ValueError: an empty or malformed location, or as the backend's store.
+        FileNotFoundError: ``create`` False and no store at ``location`` (SQLite file, milvus-lite directory or
+            Milvus collection).
         sqlite3.Error: as :class:`SqliteMemoryStore`.
         RuntimeError: as the backend's store (:class:`~oxygen_ros.memory.milvus_store.MilvusStoreError`: Milvus
             cannot be reached or refuses).
@@ -74,5 +79,7 @@ def open_store(location: Path | str, synchronous: str = "full", collection: str 
     if backend == "milvus":
         from oxygen_ros.memory.milvus_store import MilvusMemoryStore
 
-        return MilvusMemoryStore(target, collection=collection, synchronous=synchronous)
+        return MilvusMemoryStore(target, collection=collection, synchronous=synchronous, create=create)
+    if not create and not Path(target).exists():
+        raise FileNotFoundError(f"{target} does not exist")
     return SqliteMemoryStore(target, synchronous=synchronous)

@@ -63,13 +63,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> int:
-    backend, target = parse_location(args.store)
-    local = None if target.lower().startswith(("http://", "https://")) else Path(target)
-    if args.command != "import" and local is not None and not local.exists():
-        raise FileNotFoundError(f"{target} does not exist")
-    # a Milvus store takes synchronous "normal" only (MilvusMemoryStore says why)
+    backend, _target = parse_location(args.store)
+    if args.command == "query" and args.radius and not args.near:
+        raise ValueError("--radius needs --near X Y Z (the place the radius is around)")
+    # only import creates a store: the others refuse a missing file, directory or collection (a mistyped
+    # collection must not leave an empty one behind); a Milvus store takes synchronous "normal" only
     with open_store(args.store, synchronous="normal" if backend == "milvus" else "full",
-                    collection=args.collection) as store:
+                    collection=args.collection, create=args.command == "import") as store:
         if args.command == "query":
             query = MemoryQuery(text=args.text, since_s=args.since, until_s=args.until,
                                 near=tuple(args.near) if args.near else None, radius_m=args.radius,

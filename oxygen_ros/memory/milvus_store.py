@@ -116,16 +116,19 @@ class MilvusMemoryStore(MemoryStore):
             (milvus-lite writes its log to the OS on every write but does not fsync it; a server is as durable
             as its deployment), so ``"full"`` is refused rather than not kept.
         timeout_s: connection and per-call timeout [s].
+        create: False: refuse (FileNotFoundError) a milvus-lite directory or collection that does not exist
+            instead of creating it (readers: the command line's query, export, prune and stats).
 
     Raises:
         ValueError: a malformed ``uri`` or ``collection``, ``synchronous`` not ``"normal"``, or a collection of
             another layout or schema version.
+        FileNotFoundError: ``create`` False and no such milvus-lite directory or collection.
         MilvusStoreError: the server cannot be reached within ``timeout_s`` or refuses (a wrong token), or
             milvus-lite cannot open ``PATH.db`` (another process holds it, not a milvus-lite directory).
     """
 
     def __init__(self, uri: str, collection: str = COLLECTION, synchronous: str = "normal",
-                 timeout_s: float = TIMEOUT_S):
+                 timeout_s: float = TIMEOUT_S, create: bool = True):
         if synchronous != "normal":
             raise ValueError(f"synchronous {synchronous!r} cannot be kept by a Milvus store: it writes without "
                              "an fsync per commit (a committed entry survives a process crash, not a power loss); "
@@ -135,6 +138,8 @@ class MilvusMemoryStore(MemoryStore):
                              f"got {collection!r}")
         self.uri, self.collection, self.timeout_s = str(uri), collection, float(timeout_s)
         self.lite = lite_path(self.uri)
+        if not create and self.lite is not None and not self.lite.exists():
+            raise FileNotFoundError(f"{self.lite} does not exist")
         self._write_lock = threading.Lock()
         self._unflushed: dict[str, int] = {}
         self._closed = True
@@ -156,7 +161,7 @@ class MilvusMemoryStore(MemoryStore):
             # milvus-lite, embedded or behind its `milvus-lite server` ("milvus_lite-3.2.2"): flushed by the store
             self.lite_engine = self.lite is not None or self.server_version.startswith("milvus_lite")
             self._closed = False
-            self._open_collection()
+            self._open_collection(create)
         except BaseException:
             self.close()
             raise
@@ -174,7 +179,9 @@ class MilvusMemoryStore(MemoryStore):
     def _where(self) -> str:
         return f"milvus-lite {self.lite}" if self.lite is not None else self.uri
 
-    def _open_collection(self) -> None:
+    def _open_collection(self, create: bool) -> None:
+        if not create and not self._call(self._client.has_collection, self.collection, timeout=self.timeout_s):
+            raise FileNotFoundError(f"no memory store collection {self.collection!r} in {self._where()}")
         if self._call(self._client.has_collection, self.collection, timeout=self.timeout_s):
             description = self._call(self._client.describe_collection, self.collection, timeout=self.timeout_s)
             found = [(f["name"], int(f["type"])) for f in description.get("fields", [])]

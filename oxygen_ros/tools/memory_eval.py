@@ -417,6 +417,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def read_question_set(path: Path) -> dict:
+    """The question set in ``path`` (the JSON :func:`build_question_set` writes), checked before any node starts.
+
+    Raises:
+        ValueError: not JSON, or not a question set: ``episodes`` (each with ``episode`` and at least one entry
+            ``[entry_id, stamp_s, caption]``) and ``questions`` (each a :class:`~oxygen_ros.demo_task.questions.
+            Question` of a listed episode and a known type) missing or malformed; no question.
+    """
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON ({err})") from None
+    try:
+        episodes = {str(e["episode"]): e for e in data["episodes"]}
+        for name, episode in episodes.items():
+            entries = episode["entries"]
+            if not entries or not all(len(e) == 3 and isinstance(e[2], str) and float(e[1]) == float(e[1])
+                                      for e in entries):
+                raise ValueError(f"episode {name}: entries must be [entry_id, stamp_s, caption], at least one")
+        questions = [qs.Question.from_json(q) for q in data["questions"]]
+    except (KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path}: not a question set (made by --record): {type(err).__name__} {err}") from None
+    if not questions:
+        raise ValueError(f"{path}: no question")
+    for question in questions:
+        if question.episode not in episodes or question.type not in qs.QUESTION_TYPES:
+            raise ValueError(f"{path}: question {question.qid}: unknown episode {question.episode!r} or type "
+                             f"{question.type!r}")
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.record is not None:
@@ -428,7 +459,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.build_only:
             return 0
     else:
-        question_set = json.loads(args.questions.read_text())
+        try:
+            question_set = read_question_set(args.questions)
+        except (OSError, ValueError) as err:
+            print(f"python -m oxygen_ros.tools.memory_eval: error: --questions {err}", file=sys.stderr)
+            return 2
     os.environ.setdefault("ROS_DOMAIN_ID", str(150 + os.getpid() % 80))
     os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
     args.out.mkdir(parents=True, exist_ok=True)
