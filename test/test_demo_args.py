@@ -96,3 +96,10 @@ def test_demo_data_refuses_an_output_directory_it_cannot_create(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(SystemExit, match="cannot create the output directory"):
         demo_data.main(["--out", str(blocker / "data"), "--episodes", "1"])
+
+
+def test_a_missing_checkpoint_is_a_usage_error_before_any_process_starts(demo, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        demo.parse_args(["--checkpoint", str(tmp_path / "missing")])
+    assert exit_info.value.code == 2 and "no such directory" in capsys.readouterr().err
+    assert demo.parse_args(["--checkpoint", ""]).checkpoint == ""       # '' = random weights, still allowed

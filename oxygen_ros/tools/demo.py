@@ -330,6 +330,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.checkpoint and not Path(args.checkpoint).is_dir():
+        parser.error(f"--checkpoint {args.checkpoint}: no such directory")
     policy = read_policy_file(args.checkpoint)
     try:
         args.cameras = policy_cameras(policy)      # robot camera -> model slot, for the node and the robot
