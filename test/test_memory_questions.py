@@ -1,6 +1,6 @@
 """The demo's question set (oxygen_ros/demo_task/questions.py): ground truth and questions from hand-made simulator
-samples, answer parsing and scoring, the copy rule (answer_from_lines), the QA fine-tune's generated examples (training/qa.py), the
-evaluation's scores (tools/memory_eval.py) and the shipped question set. No rclpy, no model."""
+samples, answer parsing and scoring, the copy rule (answer_from_lines), the QA fine-tune's generated examples
+(training/qa.py), the evaluation's scores (tools/memory_eval.py) and the shipped question set. No rclpy, no model."""
 from __future__ import annotations
 
 import json

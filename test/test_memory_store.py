@@ -341,8 +341,8 @@ def test_memory_prompt_recall_of_a_question_that_names_a_time(store):
 def test_memory_prompt_recall_near_a_time_among_more_entries_than_one_query_returns(stores):
     from oxygen_ros.memory.prompt import nearest_in_time
 
-    # 200 entries 10 ms apart after t = 99.5 s and two long before: the 2 s window after t holds more than one
-    # query returns (64), so it is bisected until the oldest after t are in it
+    # 200 entries 10 ms apart after t = 99.5 s and two long before: the nearest are the oldest of the dense run,
+    # not the newest a time window would return first
     entries = [_record(f"n{i:03d}", 100.0 + 0.01 * i, "the cube on the table") for i in range(200)]
     entries += [_record("old1", 10.0, "the cube on the table"), _record("old2", 20.0, "the cube on the table")]
     with stores.open("dense") as dense:
@@ -351,6 +351,12 @@ def test_memory_prompt_recall_near_a_time_among_more_entries_than_one_query_retu
         assert [r.entry_id for r in nearest_in_time(dense, 60.0, 2)] == ["old2", "n000"]
         with pytest.raises(ValueError):
             nearest_in_time(dense, 60.0, 0)
+        assert [h.record.entry_id for h in dense.query(MemoryQuery(near_time_s=15.0, until_s=99.0, k=5))] == \
+            ["old1", "old2"]
+    for bad in (dict(near_time_s=float("nan")), dict(near_time_s=1.0, text="cube"),
+                dict(near_time_s=1.0, embedding=np.ones(3, np.float32))):
+        with pytest.raises(ValueError):
+            MemoryQuery(**bad)
 
 
 @pytest.mark.ros

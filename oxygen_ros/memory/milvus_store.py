@@ -546,8 +546,10 @@ class MilvusMemoryStore(MemoryStore):
         else:
             stamps = candidates if candidates is not None else \
                 {row["entry_id"]: row["stamp_s"] for row in self._scan(expr, ["entry_id", "stamp_s"])}
-            newest = heapq.nsmallest(query.k, stamps.items(), key=lambda item: (-item[1], _descending(item[0])))
-            ranked = [(entry_id, 0.0) for entry_id, _ in newest]
+            t = query.near_time_s
+            key = (lambda item: (-item[1], _descending(item[0]))) if t is None else \
+                (lambda item: (abs(item[1] - t), item[1], item[0]))
+            ranked = [(entry_id, 0.0) for entry_id, _ in heapq.nsmallest(query.k, stamps.items(), key=key)]
         records = {r.entry_id: r for r in self._get([entry_id for entry_id, _ in ranked], embeddings=False)}
         return [Hit(records[entry_id], score) for entry_id, score in ranked if entry_id in records]
 

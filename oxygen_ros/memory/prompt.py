@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 import string
 
@@ -31,28 +30,10 @@ def question_time(question: str) -> float | None:
 
 
 def nearest_in_time(store: MemoryStore, t_s: float, k: int, robot: str | None = None) -> list[MemoryRecord]:
-    """The ``k`` stored records whose stamps are nearest ``t_s`` [s] (ties: the earlier first), nearest first.
-    ``robot``: that robot's only. Two time-window queries: the ``k`` newest at or before ``t_s``, and the ``k``
-    oldest after it (a window from 2 s that grows fourfold until it holds ``k``, bisected where it holds more
-    than one query returns). Raises ValueError for ``k`` < 1, and the store's errors."""
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    before = store.query(MemoryQuery(until_s=t_s, robot=robot, k=k))
-    after: list = []
-    width, fewer, more, cap = 2.0, 0.0, None, max(4 * k, 64)
-    for _ in range(64):                         # a window [t, t + width] after t: grown, or bisected
-        hits = store.query(MemoryQuery(since_s=math.nextafter(t_s, math.inf), until_s=t_s + width, robot=robot,
-                                       k=cap))
-        if len(hits) >= cap:                    # more than one query returns: its oldest may be cut off
-            more, width = width, (fewer + width) / 2.0
-            continue
-        after = hits
-        if len(hits) >= k or width >= 1.0e9:
-            break
-        fewer, width = width, width * 4.0 if more is None else (width + more) / 2.0
-    hits = sorted((h.record for h in list(before) + list(after)),
-                  key=lambda r: (abs(r.stamp_s - t_s), r.stamp_s, r.entry_id))
-    return hits[:k]
+    """The ``k`` stored records whose stamps are nearest ``t_s`` [s] (ties: the earlier first), nearest first
+    (:attr:`MemoryQuery.near_time_s <oxygen_ros.memory.records.MemoryQuery>`). ``robot``: that robot's only.
+    Raises ValueError for ``k`` < 1 or a ``t_s`` that is not finite, and the store's errors."""
+    return [hit.record for hit in store.query(MemoryQuery(near_time_s=t_s, robot=robot, k=k))]
 
 
 def recall(store: MemoryStore, question: str, k: int = DEFAULT_K, robot: str | None = None) -> list[MemoryRecord]:

@@ -95,9 +95,10 @@ class MemoryQuery:
 
     Ranking: by the caption's full-text match to ``text`` (BM25, larger score = better; an entry matches when
     its caption has one of the words, words in half or more of the entries aside: they carry no BM25 weight)
-    when ``text`` is given; else by cosine similarity to ``embedding`` when given (score in [-1, 1]); else newest first
-    (score 0). ``text`` and ``embedding`` are not combined: a text query's words and an observation's
-    pooled prefix state are not in one space (docs/memory.md).
+    when ``text`` is given; else by cosine similarity to ``embedding`` when given (score in [-1, 1]); else by
+    closeness of the stamp to ``near_time_s`` when given (nearest first; ties: the earlier, then the smaller entry
+    id; score 0); else newest first (score 0). ``text`` and ``embedding`` are not combined: a text query's words
+    and an observation's pooled prefix state are not in one space (docs/memory.md).
 
     Attributes:
         text: words to find in the captions; "" = no text ranking.
@@ -108,10 +109,11 @@ class MemoryQuery:
         robot: keep this robot's entries only; None = every robot.
         embedding: float32 ``(width,)`` to rank by cosine similarity; None = not used.
         k: most hits returned, >= 1.
+        near_time_s: a time [s] to rank by closeness to (not with ``text`` or ``embedding``); None = not used.
 
     Raises:
         ValueError: ``k`` < 1, ``near`` without a positive ``radius_m``, ``since_s`` after ``until_s``, or both
-            ``text`` and ``embedding``.
+            ``text`` and ``embedding``, a ``near_time_s`` that is not finite or comes with either.
     """
 
     text: str = ""
@@ -122,6 +124,7 @@ class MemoryQuery:
     robot: str | None = None
     embedding: np.ndarray | None = field(default=None, compare=False)
     k: int = 10
+    near_time_s: float | None = None
 
     def __post_init__(self):
         if self.k < 1:
@@ -134,6 +137,11 @@ class MemoryQuery:
             raise ValueError(f"since_s {self.since_s} is after until_s {self.until_s}")
         if self.text.strip() and self.embedding is not None:
             raise ValueError("give text or embedding, not both: they are not in one space (docs/memory.md)")
+        if self.near_time_s is not None:
+            if not math.isfinite(self.near_time_s):
+                raise ValueError(f"near_time_s must be finite, got {self.near_time_s}")
+            if self.text.strip() or self.embedding is not None:
+                raise ValueError("rank by text, embedding or near_time_s, one of them")
 
 
 @dataclass(frozen=True)

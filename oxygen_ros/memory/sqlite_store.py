@@ -205,6 +205,8 @@ class SqliteMemoryStore(MemoryStore):
             if query.text.strip():      # words asked, none searchable (punctuation only): nothing matches
                 return []
             clause = (" WHERE " + " AND ".join(where)) if where else ""
+            if query.near_time_s is not None:
+                return self._near_time_query(db, query, clause, params)
             if query.embedding is None:
                 rows = db.execute(f"SELECT {_COLUMNS} FROM entries e{clause} ORDER BY e.stamp_s DESC, e.id DESC "
                                   "LIMIT ?", [*params, query.k]).fetchall()
@@ -246,6 +248,18 @@ class SqliteMemoryStore(MemoryStore):
             where.append("(e.x - ?) * (e.x - ?) + (e.y - ?) * (e.y - ?) + (e.z - ?) * (e.z - ?) <= ?")
             params += [x, x, y, y, z, z, query.radius_m ** 2]
         return where, params
+
+    def _near_time_query(self, db: sqlite3.Connection, query: MemoryQuery, clause: str, params: list) -> list[Hit]:
+        """The ``k`` filtered entries nearest ``query.near_time_s``: the ``k`` nearest at or before it and the ``k``
+        nearest after it (two index range scans), merged."""
+        t, sep = query.near_time_s, " AND " if clause else " WHERE "
+        rows = []
+        for side, order in (("<=", "DESC"), (">", "ASC")):
+            rows += db.execute(f"SELECT {_COLUMNS} FROM entries e{clause}{sep}e.stamp_s {side} ? "
+                               f"ORDER BY e.stamp_s {order}, e.entry_id LIMIT ?", [*params, t, query.k]).fetchall()
+        records = sorted((self._record(row) for row in rows),
+                         key=lambda r: (abs(r.stamp_s - t), r.stamp_s, r.entry_id))
+        return [Hit(record, 0.0) for record in records[:query.k]]
 
     def _embedding_query(self, db: sqlite3.Connection, query: MemoryQuery, clause: str, params: list) -> list[Hit]:
         """Cosine similarity of ``query.embedding`` to every filtered entry with an embedding of its width,

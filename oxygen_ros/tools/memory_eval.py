@@ -20,8 +20,8 @@
    questions have: what a memoryless answer could at best get without seeing the episode), and the retrieval's precision at 1 and at ``--memory-k`` (the
    retrieved entries against those whose ground truth bears on the answer; ``recall`` on the same store, its
    ``--memory-k`` set checked against the goal's ``memory_entry_ids``), and the retrieved lines read by the QA
-   training's rule (:func:`oxygen_ros.demo_task.questions.answer_from_lines`): what a perfect reader of those captions would
-   answer, and how often the model's answer is that one. Written to ``<out>/memory_eval.json`` and
+   training's rule (:func:`oxygen_ros.demo_task.questions.answer_from_lines`): what a perfect reader of those
+   captions would answer, and how often the model's answer is that one. Written to ``<out>/memory_eval.json`` and
    ``<out>/memory_eval.md``.
 
 Command line: ``python -m oxygen_ros.tools.memory_eval [--record DIR] [--checkpoint DIR] [--out DIR]``.
@@ -144,8 +144,8 @@ def score(results: list[dict], k: int) -> dict:
         out[f"hit_at_{k}"] = (sum(any(e in r["relevant"] for e in r["ranked"][:k]) for r in ranked) / len(ranked)
                               if ranked else float("nan"))
         out["with_relevant_entries"] = len(ranked)
-        # The lines read by the training's rule (demo_task/questions.py answer_from_lines): what a perfect reader of the retrieved
-        # captions would answer, and how often the model's answer is that one (it reads its memory as trained).
+        # The lines read by the training's rule (demo_task/questions.py answer_from_lines): what a perfect reader of
+        # the retrieved captions would answer, and how often the model's answer is that one (it reads its memory as trained).
         if all("rule" in r for r in rows):
             rule_right = sum(r["rule"]["correct"] for r in rows)
             out["rule"] = {"right": rule_right, "accuracy": rule_right / len(rows) if rows else float("nan"),

@@ -64,9 +64,9 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
     """Episodes of ``node-lockstep`` or ``node-realtime`` for the :class:`~oxygen_ros.tools.evaluate.conditions.Run`
     s of the condition (its execution schemes), interleaved: per seed one episode of each run, in turn (the order
     reversed every other seed), so that the runs share the machine's state alike. The oxygen node runs in this
-    process (spun by the ``oxygen_node`` executable's executor, as in tools/demo.py) with ``params``; a run whose node parameters differ
-    from the ones in force reconfigures it first (deactivate, cleanup, the parameters, configure, activate), as
-    a lifecycle manager would. The robot runs in a child process per episode. Returns the records per run name.
+    process (spun by the ``oxygen_node`` executable's executor, as in tools/demo.py) with ``params``; a run whose
+    node parameters differ from the ones in force reconfigures it first (deactivate, cleanup, the parameters,
+    configure, activate), as a lifecycle manager would. The robot runs in a child process per episode. Returns the records per run name.
 
     Raises:
         RuntimeError: the node did not become active (at start or after a reconfiguration), or a robot process
