@@ -20,7 +20,7 @@ from pathlib import Path
 
 from oxygen_ros.memory.records import Hit, MemoryQuery, MemoryRecord, Pose
 from oxygen_ros.memory.sqlite_store import SqliteMemoryStore
-from oxygen_ros.memory.store import MemoryStore, RetentionPolicy
+from oxygen_ros.memory.store import DEFAULT_COLLECTION, MemoryStore, RetentionPolicy
 
 __all__ = ["Hit", "MemoryQuery", "MemoryRecord", "MemoryStore", "Pose", "RetentionPolicy", "SqliteMemoryStore",
            "open_store", "parse_location"]
@@ -54,7 +54,7 @@ def parse_location(location: Path | str) -> tuple[str, str]:
     return backend, target
 
 
-def open_store(location: Path | str, synchronous: str = "full", collection: str = "oxygen_memory",
+def open_store(location: Path | str, synchronous: str = "full", collection: str = DEFAULT_COLLECTION,
                create: bool = True) -> MemoryStore:
     """The store at ``location`` (:func:`parse_location`): a SQLite file (created when missing), a milvus-lite
     directory (created when missing) or a Milvus server's ``collection`` (created when missing).

@@ -25,13 +25,14 @@ import sys
 from pathlib import Path
 
 from oxygen_ros.memory import MemoryQuery, RetentionPolicy, open_store, parse_location
+from oxygen_ros.memory.store import DEFAULT_COLLECTION
 
 PROG = "python -m oxygen_ros.memory"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="the robot's memory store (docs/memory.md)")
-    parser.add_argument("--collection", default="oxygen_memory", help="the Milvus collection (Milvus stores only)")
+    parser.add_argument("--collection", default=DEFAULT_COLLECTION, help="the Milvus collection (Milvus stores only)")
     sub = parser.add_subparsers(dest="command", required=True)
     query = sub.add_parser("query", help="the best entries for a query")
     query.add_argument("store", help="SQLite file, milvus:PATH.db or http(s)://HOST:PORT")

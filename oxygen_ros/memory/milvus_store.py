@@ -43,10 +43,9 @@ from urllib.parse import urlparse
 import numpy as np
 
 from oxygen_ros.memory.records import Hit, MemoryQuery, MemoryRecord, Pose
-from oxygen_ros.memory.store import MemoryStore, RetentionPolicy, near_duplicates
+from oxygen_ros.memory.store import DEFAULT_COLLECTION, MemoryStore, RetentionPolicy, near_duplicates
 
 SCHEMA_VERSION = 1
-COLLECTION = "oxygen_memory"            # default collection name (node parameter memory.store.collection)
 TOKEN_ENV = "OXYGEN_MILVUS_TOKEN"       # the server's token ("user:password" or an API key), when it wants one
 TIMEOUT_S = 30.0                        # connection and per-call timeout [s]
 MAX_K = 16384                           # Milvus's largest top-k (queryNode.maxTopK default)
@@ -127,7 +126,7 @@ class MilvusMemoryStore(MemoryStore):
             milvus-lite cannot open ``PATH.db`` (another process holds it, not a milvus-lite directory).
     """
 
-    def __init__(self, uri: str, collection: str = COLLECTION, synchronous: str = "normal",
+    def __init__(self, uri: str, collection: str = DEFAULT_COLLECTION, synchronous: str = "normal",
                  timeout_s: float = TIMEOUT_S, create: bool = True):
         if synchronous != "normal":
             raise ValueError(f"synchronous {synchronous!r} cannot be kept by a Milvus store: it writes without "
@@ -180,9 +179,10 @@ class MilvusMemoryStore(MemoryStore):
         return f"milvus-lite {self.lite}" if self.lite is not None else self.uri
 
     def _open_collection(self, create: bool) -> None:
-        if not create and not self._call(self._client.has_collection, self.collection, timeout=self.timeout_s):
+        exists = self._call(self._client.has_collection, self.collection, timeout=self.timeout_s)
+        if not exists and not create:
             raise FileNotFoundError(f"no memory store collection {self.collection!r} in {self._where()}")
-        if self._call(self._client.has_collection, self.collection, timeout=self.timeout_s):
+        if exists:
             description = self._call(self._client.describe_collection, self.collection, timeout=self.timeout_s)
             found = [(f["name"], int(f["type"])) for f in description.get("fields", [])]
             if found != self._layout():

@@ -19,6 +19,8 @@ from typing import IO, Iterable, Iterator
 from oxygen_ros.memory.records import Hit, MemoryQuery, MemoryRecord
 
 _WORD = re.compile(r"\w+", re.UNICODE)
+# the Milvus collection a store location names unless told otherwise (node parameter memory.store.collection)
+DEFAULT_COLLECTION = "oxygen_memory"
 
 
 def words(text: str) -> frozenset[str]:

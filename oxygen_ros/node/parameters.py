@@ -47,6 +47,7 @@ from rclpy.parameter import Parameter
 
 from oxygen_ros.engine.config import (NEXT_CONFIGURE, NEXT_USE, START_UP, STRUCTURAL, EngineConfig, Knob,
                                       TaskConfig, leaves)
+from oxygen_ros.memory.store import DEFAULT_COLLECTION
 from oxygen_ros.models.config import PRESETS, get_preset
 from oxygen_ros.models.conventions import MODEL_CAMERA_SLOTS, NORM_MODES, Conventions, apply_settings, \
     resolve_conventions
@@ -216,7 +217,7 @@ NODE_PARAMETERS: tuple[Declaration, ...] = (
           "missing, reopened with its entries), and ~/query_memory answers from: a SQLite file (PATH or sqlite:PATH), "
           "milvus:PATH.db (milvus-lite, embedded) or http(s)://HOST:PORT (a Milvus server; token from the "
           "environment variable OXYGEN_MILVUS_TOKEN); empty = no store, no service", _MEMORY, when=STRUCTURAL),
-    _node("memory.store.collection", "oxygen_memory", "the collection of a Milvus store (letters, digits, _); "
+    _node("memory.store.collection", DEFAULT_COLLECTION, "the collection of a Milvus store (letters, digits, _); "
           "robots sharing a server and a collection share their memory; not used by a SQLite store", _MEMORY,
           when=STRUCTURAL),
     _node("memory.store.queue_size", 256, "memory entries waiting for the store's writer thread; one beyond is "
@@ -347,7 +348,7 @@ class MemorySettings:
     pose_max_age_s: float = 0.5
     fixed_frame: str = ""
     store_path: str = ""
-    collection: str = "oxygen_memory"
+    collection: str = DEFAULT_COLLECTION
     queue_size: int = 256
     synchronous: str = "full"
     max_age_s: float = 0.0
