@@ -78,7 +78,7 @@ fi
 # ---- 3. colcon build ----------------------------------------------------------------------------------
 build_hash=$( cd "$ROOT" && {
   echo "$MODE $VENV"
-  cat CMakeLists.txt package.xml msg/*.msg
+  cat CMakeLists.txt package.xml msg/*.msg srv/*.srv action/*.action
   find oxygen_ros launch config scripts -type f -not -path '*/__pycache__/*' -not -name '*.pyc' | LC_ALL=C sort
   cat scripts/oxygen_node
 } | sha256sum | cut -d' ' -f1)

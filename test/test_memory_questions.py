@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -73,7 +74,12 @@ def test_questions_of_an_episode():
     assert questions["last"].answer == "left" and questions["last"].relevant == ("e5", "e6")
     at = questions["holder_at"]
     assert at.time_s in [float(int(stamp)) for _, stamp, _ in entries]
-    assert at.text == f"which gripper held the cube at t={int(at.time_s)}?"
+    assert at.text == "which gripper held the cube {ago}?"
+    assert at.ask_text(at.time_s + 12.4) == "which gripper held the cube 12 s ago?"
+    assert questions["start"].ask_text(T0 + 99.0) == questions["start"].text
+    moved = questions["carried"].shifted(100.0)
+    assert (moved.time_s, moved.answer) == (T0 + 108.98, "t=1796500108") and moved.relevant == ("e2", "e3")
+    assert questions["last"].shifted(100.0) == questions["last"]
     assert at.answer == qs.holder_at(HANDED_OVER, at.time_s)
     assert all(abs(dict((e, s) for e, s, _ in entries)[e] - at.time_s) <= 1.0 for e in at.relevant)
     assert qs.Question.from_json(json.loads(json.dumps(at.to_json()))) == at
@@ -83,7 +89,8 @@ def test_questions_of_an_episode():
 
 @pytest.mark.parametrize("text, parsed", [
     ("right", "right"), (" Right.", "right"), ("t=1796500008", "t=1796500008"), ("at t = 1796500008.4s", "t=1796500008"),
-    ("", ""), ("never", "never"), ("42", ""),
+    ("", ""), ("never", "never"), ("42", ""), ("12 s ago", "12 s ago"), (" 7 seconds ago.", "7 s ago"),
+    ("at t=5, 12 s ago", "12 s ago"), ("12 s", "s"),
 ])
 def test_parse_answer(text, parsed):
     assert qs.parse_answer(text) == parsed
@@ -91,13 +98,19 @@ def test_parse_answer(text, parsed):
 
 def test_answer_correct():
     carried = qs.Question("7-carried", "7", "carried", qs.QUESTIONS["carried"], "t=1796500008", T0 + 8.98, ())
-    assert qs.answer_correct(carried, "t=1796500011")          # within 3 s
-    assert not qs.answer_correct(carried, "t=1796500012")
-    assert not qs.answer_correct(carried, "never")
+    now = T0 + 20.0
+    assert qs.answer_correct(carried, "t=1796500011", now)          # within 3 s
+    assert not qs.answer_correct(carried, "t=1796500012", now)
+    assert qs.answer_correct(carried, "11 s ago", now)               # 1796500009: 0.02 s off
+    assert qs.answer_correct(carried, "14 s ago", now) and not qs.answer_correct(carried, "15 s ago", now)
+    assert qs.answer_correct(carried, "9 s ago", now) and not qs.answer_correct(carried, "8 s ago", now)
+    assert qs.answer_time("11 s ago", now) == T0 + 9.0 and qs.answer_time("right", now) is None
+    assert not qs.answer_correct(carried, "never", now)
     never = qs.Question("8-carried", "8", "carried", qs.QUESTIONS["carried"], "never", None, ())
-    assert qs.answer_correct(never, "never") and not qs.answer_correct(never, "t=1796500008")
+    assert qs.answer_correct(never, "never", now) and not qs.answer_correct(never, "11 s ago", now)
     last = qs.Question("7-last", "7", "last", qs.QUESTIONS["last"], "left", None, ())
-    assert qs.answer_correct(last, "left") and not qs.answer_correct(last, "right") and not qs.answer_correct(last, "")
+    assert qs.answer_correct(last, "left", now) and not qs.answer_correct(last, "right", now)
+    assert not qs.answer_correct(last, "", now)
 
 
 def test_precision_at_k():
@@ -113,19 +126,21 @@ def test_generated_training_examples_follow_the_copy_rule():
     lines = [(T0 + 1.0, ON_RIGHT), (T0 + 5.0, RIGHT_AIR), (T0 + 7.0, RIGHT_AIR), (T0 + 9.1, BOTH)]
     q = {kind: qs.Question(f"x-{kind}", "x", kind, "", "", T0 + 7.0 if kind == "holder_at" else None, ())
          for kind in qs.QUESTION_TYPES}
-    assert qs.answer_from_lines(q["start"], lines) == "right"
-    assert qs.answer_from_lines(q["carried"], lines) == "t=1796500007"
-    assert qs.answer_from_lines(q["holder_at"], lines) == "right"
-    assert qs.answer_from_lines(q["last"], lines) == "both"
-    assert qs.answer_from_lines(q["carried"], lines[:1]) == qs.NEVER
-    assert qs.answer_from_lines(q["last"], lines[:1]) == "none"
+    now = T0 + 19.6
+    assert qs.answer_from_lines(q["start"], lines, now) == "right"
+    assert qs.answer_from_lines(q["carried"], lines, now) == "13 s ago"     # 12.6 s before now
+    assert qs.answer_from_lines(q["holder_at"], lines, now) == "right"
+    assert qs.answer_from_lines(q["last"], lines, now) == "both"
+    assert qs.answer_from_lines(q["carried"], lines[:1], now) == qs.NEVER
+    assert qs.answer_from_lines(q["last"], lines[:1], now) == "none"
     examples = qa.make_examples(12, seed=5)
     assert len(examples) == 48
     assert {e.prompt for e in examples if "Memory: none" in e.prompt} == {qs.PROMPT_WITHOUT_MEMORY}
     for example in examples:
         assert example.answer and "{instruction}" in example.prompt
         if example.prompt != qs.PROMPT_WITHOUT_MEMORY:
-            assert example.prompt.startswith("Memory: t=") and example.prompt.count("; ") <= 2   # k = 3 lines
+            assert re.match(r"Memory: \d+ s ago: ", example.prompt) and example.prompt.count("; ") <= 2  # k = 3
+        assert "{" not in example.question and not example.answer.startswith("t=")      # ages, asked after the end
     assert [e.answer for e in qa.make_examples(12, seed=5)] == [e.answer for e in examples]   # seeded
 
 

@@ -273,6 +273,8 @@ def test_cli_query_prune_export_stats(stores, tmp_path, capsys):
     assert cli(name + ["query", path, "--text", "red cube", "--near", "10", "0", "0", "--radius", "1", "--json"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [json.loads(line)["entry_id"] for line in lines] == ["d"]
+    assert cli(name + ["query", path, "--text", "red cube", "--oldest-first", "-k", "2", "--json"]) == 0
+    assert [json.loads(line)["entry_id"] for line in capsys.readouterr().out.splitlines()] == ["a", "d"]
     assert cli(name + ["stats", path]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["entries"] == 6 and stats["with_pose"] == 5 and stats["robots"] == 2 and stats["bytes"] > 0
@@ -357,6 +359,49 @@ def test_memory_prompt_recall_near_a_time_among_more_entries_than_one_query_retu
                 dict(near_time_s=1.0, embedding=np.ones(3, np.float32))):
         with pytest.raises(ValueError):
             MemoryQuery(**bad)
+
+
+
+def test_oldest_first_ranks_the_text_matches_by_time(store):
+    # "red cube" matches a, d and f: by time, not by BM25 (score 0); the filters still apply
+    hits = store.query(MemoryQuery(text="red cube", k=2, oldest_first=True))
+    assert _ids(hits) == ["a", "d"] and all(h.score == 0.0 for h in hits)
+    assert _ids(store.query(MemoryQuery(text="red cube", since_s=15.0, k=5, oldest_first=True))) == ["d", "f"]
+    assert _ids(store.query(MemoryQuery(text="giraffe", k=5, oldest_first=True))) == []
+    assert _ids(store.query(MemoryQuery(k=3, oldest_first=True))) == ["a", "b", "c"]
+    assert _ids(store.query(MemoryQuery(robot="r2", k=3, oldest_first=True))) == ["e"]
+    assert _ids(store.query(MemoryQuery(text="red cube", near=(10.0, 0.0, 0.0), radius_m=0.5, k=5,
+                                        oldest_first=True))) == ["d"]
+    for bad in (dict(oldest_first=True, near_time_s=1.0), dict(oldest_first=True, embedding=np.ones(3, np.float32))):
+        with pytest.raises(ValueError):
+            MemoryQuery(**bad)
+
+
+def test_memory_prompt_ages_and_questions_about_the_first_time(store):
+    from oxygen_ros.memory.prompt import age_text, memory_text, question_time, recall
+
+    # ages at the time of asking, whole seconds, rounded; a stamp after it (a clock behind): 0 s ago
+    assert age_text(100.0, 87.6) == "12 s ago" and age_text(100.0, 100.4) == "0 s ago"
+    with pytest.raises(ValueError):
+        age_text(float("nan"), 1.0)
+    text, ids = memory_text(recall(store, "mug gripper", k=2), now_s=52.4)
+    assert ids == ["c", "d"]
+    assert text == "22 s ago at (5.0, 0.0): a blue mug on the shelf; 12 s ago at (10.0, 0.0): the red cube in the " \
+                   "left gripper"
+    with pytest.raises(ValueError):
+        memory_text([ENTRIES[0]], now_s=float("inf"))
+    # an age in the question counts from the time of asking; without one, it is no time; t= wins
+    assert question_time("which gripper held the cube 12 s ago?", now_s=52.0) == 40.0
+    assert question_time("what did you see 7 seconds ago", now_s=52.0) == 45.0
+    assert question_time("which gripper held the cube 12 s ago?") is None
+    assert question_time("at t=3 or 12 s ago", now_s=52.0) == 3.0
+    assert [r.entry_id for r in recall(store, "what was seen 20 s ago?", k=2, now_s=52.0)] == ["c", "d"]
+    # a question about the first time: the oldest matching entries; the same words otherwise: best BM25 first
+    assert [r.entry_id for r in recall(store, "which kitchen counter did you see first?", k=1)] == ["a"]
+    assert [r.entry_id for r in recall(store, "which kitchen counter did you see?", k=1)] == ["b"]   # shorter
+    assert [r.entry_id for r in recall(store, "the earliest mug or left gripper", k=3)] == ["c", "d"]
+    assert [r.entry_id for r in recall(store, "what came first?", k=2)] == ["a", "b"]     # no word matches
+    assert [r.entry_id for r in recall(store, "what came?", k=2)] == ["f", "e"]
 
 
 @pytest.mark.ros

@@ -131,6 +131,8 @@ def test_query_memory_answers_from_the_store(harness):
     assert everything.success and len(everything.scores) == len(everything.entries)
     stamps = [_seconds(e.header.stamp) for e in everything.entries]
     assert stamps == sorted(stamps, reverse=True)       # no text: newest first
+    oldest = _query(harness, k=2, oldest_first=True)
+    assert [e.entry_id for e in oldest.entries] == [e.entry_id for e in everything.entries[::-1][:2]]
     for entry in everything.entries:
         if entry.entry_id in published:
             sent = published[entry.entry_id]
@@ -178,6 +180,8 @@ def test_ask_fills_memory_from_the_store_and_lists_the_entries(harness):
     result = response.result
     assert response.status == GoalStatus.STATUS_SUCCEEDED, result.message
     assert len(result.memory_entry_ids) == 3
+    asked_s = result.memory_stamp.sec + result.memory_stamp.nanosec * 1e-9      # the ages' time of asking
+    assert abs(asked_s - harness.robot.get_clock().now().nanoseconds * 1e-9) < 120.0
     with SqliteMemoryStore(harness.store_path) as store:
         used = store.get(result.memory_entry_ids)
     assert [r.entry_id for r in used] == list(result.memory_entry_ids)     # all stored

@@ -4,8 +4,8 @@ answers with and without memory"). No rclpy, no model.
 An episode's ground truth is the simulator's caption of the scene (:func:`oxygen_ros.demo_task.scene_caption`) sampled
 every 20 ms on the node's clock (``tools/evaluate``'s real-time record, ``observed``: ``{"t", "caption", ...}``). The
 questions are chosen so that their answer changes from episode to episode and is not in the camera frame when they
-are asked (the scene has changed by then), and so that the answer is a word or a time that a memory line
-(``t=<stamp>s: <caption>``, :func:`oxygen_ros.memory.prompt.memory_text`) carries:
+are asked (the scene has changed by then), and so that the answer is a word or an age that a memory line
+(``<N> s ago: <caption>``, :func:`oxygen_ros.memory.prompt.memory_text`, ages at the time of asking) carries:
 
 =============  ==========================================================  ==========================================
 type           question                                                    answer
@@ -13,19 +13,22 @@ type           question                                                    answe
 ``start``      where on the table was the cube first seen?                 the side of the table the cube started on:
                                                                            ``right`` / ``middle`` / ``left`` (the
                                                                            captions' bins of its x: ±5 cm)
-``carried``    when did the right gripper last hold the cube in the air?   ``t=<whole seconds>`` of the node clock (the
-                                                                           end of its last carry), or ``never``; right
+``carried``    when did the right gripper last hold the cube in the air?   ``<N> s ago`` at the time of asking (the end
+                                                                           of its last carry), or ``never``; right
                                                                            within :data:`TIME_TOLERANCE_S`
-``holder_at``  which gripper held the cube at t=<whole seconds>?           ``right`` / ``left`` / ``both`` / ``none``
+``holder_at``  which gripper held the cube <N> s ago?                      ``right`` / ``left`` / ``both`` / ``none``
 ``last``       which gripper held the cube last?                           ``right`` / ``left`` / ``both`` / ``none``
 =============  ==========================================================  ==========================================
 
-The retrieval (:func:`oxygen_ros.memory.prompt.recall`) takes a question that names a time (``t=<seconds>``, the
-memory lines' own notation: ``holder_at``) to the entries nearest that time; for the others the question's words
-are the query (BM25 over the captions), so each question carries caption words that select the entries it needs
-(``table``, ``right gripper ... air``, ``gripper``). Equal scores come newest first, so "last" questions suit it;
-a question about the first time something happened gets the latest such entries (the store's text ranking has no
-time order: ``start``).
+A question's times are ages at the time of asking, the node clock's present when the ``~/ask`` goal fills
+``{memory}`` (its result's ``memory_stamp``): the question set keeps absolute times (``time_s``, ``answer``
+``t=<whole seconds>``) and :meth:`Question.ask_text` / :func:`answer_correct` turn them into ages and back.
+
+The retrieval (:func:`oxygen_ros.memory.prompt.recall`) takes a question that names an age (``holder_at``) to the
+entries nearest that time; for the others the question's words are the query, so each question carries caption
+words that select the entries it needs (``table``, ``right gripper ... air``, ``gripper``): a question about the
+first time (``start``) gets the oldest matching entries, the others the best BM25 matches, equal scores newest first
+(what "last" questions need).
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ import math
 import random
 import re
 
+from oxygen_ros.memory.prompt import age_text
+
 QUESTION_TYPES = ("start", "carried", "holder_at", "last")
 QUESTIONS = {
     "start": "where on the table was the cube first seen?",
     "carried": "when did the right gripper last hold the cube in the air?",
-    "holder_at": "which gripper held the cube at {t}?",
+    "holder_at": "which gripper held the cube {ago}?",
     "last": "which gripper held the cube last?",
 }
 RIGHT_IN_AIR = "the right gripper holds the cube in the air"
@@ -166,8 +171,9 @@ class Question:
         qid: ``<episode>-<type>``.
         episode: the episode's name (its cube seed).
         type: one of :data:`QUESTION_TYPES`.
-        text: the question (the ``~/ask`` goal's instruction, and the retrieval's query).
-        answer: the true answer: a word, or ``t=<whole seconds>`` for a time.
+        text: the question (the ``~/ask`` goal's instruction, and the retrieval's query); ``holder_at``'s has an
+            ``{ago}`` field for the age of ``time_s`` at the time of asking (:meth:`ask_text`).
+        answer: the true answer: a word, or ``t=<whole seconds>`` for a time (node clock).
         time_s: for ``carried``, the true time [s] (None: never); for ``holder_at``, the time asked about.
         relevant: ids of the episode's memory entries whose ground truth bears on the answer (precision@k).
     """
@@ -179,6 +185,19 @@ class Question:
     answer: str
     time_s: float | None
     relevant: tuple[str, ...]
+
+    def ask_text(self, now_s: float) -> str:
+        """The question as asked at ``now_s`` [s, node clock]: ``holder_at``'s time as an age (``12 s ago``);
+        the others as they are."""
+        if self.type == "holder_at" and self.time_s is not None:
+            return self.text.replace("{ago}", age_text(now_s, self.time_s))
+        return self.text
+
+    def shifted(self, offset_s: float) -> Question:
+        """The same question about the episode moved ``offset_s`` [s] later (its times and time answer)."""
+        time_s = None if self.time_s is None else self.time_s + offset_s
+        answer = time_answer(time_s) if self.answer.startswith("t=") and time_s is not None else self.answer
+        return dataclasses.replace(self, time_s=time_s, answer=answer)
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "relevant": list(self.relevant)}
@@ -227,7 +246,7 @@ def episode_questions(episode: str, samples: list[dict], entries: list[tuple[str
         [e for e, _, _ in entries if " ".join(gt[e].split()) == RIGHT_IN_AIR])
     stamps = sorted(stamp for _, stamp, _ in entries)
     asked = float(math.floor(rng.choice(stamps)))
-    add("holder_at", QUESTIONS["holder_at"].format(t=time_answer(asked)), holder_at(samples, asked), asked,
+    add("holder_at", QUESTIONS["holder_at"], holder_at(samples, asked), asked,
         [e for e, stamp, _ in entries if abs(stamp - asked) <= 1.0])
     add("last", QUESTIONS["last"], truth.last_holder, None,
         [e for e, _, _ in entries if truth.last_holder != "none" and caption_holder(gt[e]) == truth.last_holder])
@@ -239,8 +258,11 @@ def episode_questions(episode: str, samples: list[dict], entries: list[tuple[str
 
 
 def parse_answer(text: str) -> str:
-    """A decoded answer normalised: ``t=<digits>`` for a time (the first one), else its first word (lower case,
-    letters only); "" for nothing."""
+    """A decoded answer normalised: ``<N> s ago`` for an age, ``t=<digits>`` for a time (the first one), else its
+    first word (lower case, letters only); "" for nothing."""
+    match = re.search(r"(\d+)\s*(?:s|secs?|seconds?)\s+ago\b", text, re.IGNORECASE)
+    if match:
+        return f"{int(match.group(1))} s ago"
     match = re.search(r"t\s*=\s*(\d+)", text)
     if match:
         return f"t={int(match.group(1))}"
@@ -248,13 +270,25 @@ def parse_answer(text: str) -> str:
     return words[0] if words else ""
 
 
-def answer_correct(question: Question, text: str) -> bool:
-    """Whether a decoded answer is right: a time within :data:`TIME_TOLERANCE_S` of the truth (``carried``), else
-    the same word (``never`` for a cube the right gripper never carried)."""
+def answer_time(text: str, now_s: float) -> float | None:
+    """The time [s, node clock] a decoded answer gives: ``now_s - N`` for ``<N> s ago`` (``now_s``: the time of
+    asking), ``T`` for ``t=<T>``; None for no time."""
     given = parse_answer(text)
+    if given.endswith(" s ago"):
+        return now_s - int(given.split()[0])
+    if given.startswith("t="):
+        return float(given[2:])
+    return None
+
+
+def answer_correct(question: Question, text: str, now_s: float) -> bool:
+    """Whether a decoded answer, given at ``now_s`` [s, node clock], is right: a time (:func:`answer_time`) within
+    :data:`TIME_TOLERANCE_S` of the truth (``carried``), else the same word (``never`` for a cube the right gripper
+    never carried)."""
     if question.type == "carried" and question.time_s is not None:
-        return given.startswith("t=") and abs(int(given[2:]) - question.time_s) <= TIME_TOLERANCE_S
-    return given == question.answer
+        given = answer_time(text, now_s)
+        return given is not None and abs(given - question.time_s) <= TIME_TOLERANCE_S
+    return parse_answer(text) == question.answer
 
 
 def precision_at_k(retrieved: list[str], relevant: set[str], k: int) -> float | None:
@@ -266,20 +300,21 @@ def precision_at_k(retrieved: list[str], relevant: set[str], k: int) -> float | 
     return sum(e in relevant for e in top) / len(top)
 
 
-def answer_from_lines(question: Question, lines: list[tuple[float, str]]) -> str:
-    """The answer that memory lines ``(stamp [s], caption)``, oldest first, give by a fixed rule — what a reader
-    that copies from them answers (the QA training's target, training/qa.py; the evaluation's "lines read by
-    rule"): ``start``: the side in the oldest "on the <side> of the table" line, else ``right`` (the likelier
-    start); ``carried``: ``t=<stamp>`` of the newest line saying the right gripper holds the cube in the air, else
-    ``never``; ``holder_at``: the holder in the line nearest the asked time, however far (``unknown`` without
-    lines); ``last``: the holder in the newest line that names one, else ``none``. A wrong caption gives a wrong
-    answer, as it would mislead a reader."""
+def answer_from_lines(question: Question, lines: list[tuple[float, str]], now_s: float) -> str:
+    """The answer that memory lines ``(stamp [s], caption)``, oldest first, give at ``now_s`` [s, the time of
+    asking] by a fixed rule — what a reader that copies from them answers (the QA training's target,
+    training/qa.py; the evaluation's "lines read by rule"): ``start``: the side in the oldest "on the <side> of the
+    table" line, else ``right`` (the likelier start); ``carried``: the age (``<N> s ago``, as the line writes it)
+    of the newest line saying the right gripper holds the cube in the air, else ``never``; ``holder_at``: the
+    holder in the line nearest the asked time, however far (``unknown`` without lines); ``last``: the holder in
+    the newest line that names one, else ``none``. A wrong caption gives a wrong answer, as it would mislead a
+    reader."""
     if question.type == "start":
         sides = [caption_side(c) for _, c in lines if caption_side(c)]
         return sides[0] if sides else "right"
     if question.type == "carried":
         held = [stamp for stamp, c in lines if " ".join(c.split()) == RIGHT_IN_AIR]
-        return time_answer(held[-1]) if held else NEVER
+        return age_text(now_s, held[-1]) if held else NEVER
     if question.type == "holder_at":
         near = [(abs(stamp - question.time_s), c) for stamp, c in lines]
         return caption_holder(min(near)[1]) if near else UNKNOWN

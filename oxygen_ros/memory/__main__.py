@@ -43,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     query.add_argument("--radius", type=float, default=0.0, help="the place's radius [m]")
     query.add_argument("--robot", help="this robot's entries only")
     query.add_argument("-k", type=int, default=10, help="most entries (default 10)")
+    query.add_argument("--oldest-first", action="store_true", help="the matches oldest first, not best or newest")
     query.add_argument("--json", action="store_true", help="one JSON object per hit (without embeddings)")
     export = sub.add_parser("export", help="every entry as JSON lines, oldest first")
     export.add_argument("store", help="SQLite file, milvus:PATH.db or http(s)://HOST:PORT")
@@ -74,7 +75,7 @@ def _run(args) -> int:
         if args.command == "query":
             query = MemoryQuery(text=args.text, since_s=args.since, until_s=args.until,
                                 near=tuple(args.near) if args.near else None, radius_m=args.radius,
-                                robot=args.robot, k=args.k)
+                                robot=args.robot, k=args.k, oldest_first=args.oldest_first)
             for hit in store.query(query):
                 record = hit.record
                 if args.json:

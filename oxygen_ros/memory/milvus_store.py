@@ -529,7 +529,16 @@ class MilvusMemoryStore(MemoryStore):
         candidates = None if query.near is None else self._place(query, expr)
         if candidates is not None and not candidates:
             return []
-        if query.text.strip():
+        if query.text.strip() and query.oldest_first:
+            terms = set(self._weighted_terms(query.text))
+            if not terms:
+                return []
+            rows = self._scan(expr, ["entry_id", "stamp_s", "text"])
+            matches = [(row["entry_id"], row["stamp_s"]) for row in rows
+                       if (candidates is None or row["entry_id"] in candidates) and terms & _words(row["text"])]
+            ranked = [(entry_id, 0.0) for entry_id, _ in
+                      heapq.nsmallest(query.k, matches, key=lambda item: (item[1], item[0]))]
+        elif query.text.strip():
             terms = self._weighted_terms(query.text)
             if not terms:
                 return []
@@ -547,8 +556,12 @@ class MilvusMemoryStore(MemoryStore):
             stamps = candidates if candidates is not None else \
                 {row["entry_id"]: row["stamp_s"] for row in self._scan(expr, ["entry_id", "stamp_s"])}
             t = query.near_time_s
-            key = (lambda item: (-item[1], _descending(item[0]))) if t is None else \
-                (lambda item: (abs(item[1] - t), item[1], item[0]))
+            if t is not None:
+                key = lambda item: (abs(item[1] - t), item[1], item[0])         # noqa: E731
+            elif query.oldest_first:
+                key = lambda item: (item[1], item[0])                           # noqa: E731
+            else:
+                key = lambda item: (-item[1], _descending(item[0]))             # noqa: E731
             ranked = [(entry_id, 0.0) for entry_id, _ in heapq.nsmallest(query.k, stamps.items(), key=key)]
         records = {r.entry_id: r for r in self._get([entry_id for entry_id, _ in ranked], embeddings=False)}
         return [Hit(records[entry_id], score) for entry_id, score in ranked if entry_id in records]

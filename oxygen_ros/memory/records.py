@@ -97,7 +97,9 @@ class MemoryQuery:
     its caption has one of the words, words in half or more of the entries aside: they carry no BM25 weight)
     when ``text`` is given; else by cosine similarity to ``embedding`` when given (score in [-1, 1]); else by
     closeness of the stamp to ``near_time_s`` when given (nearest first; ties: the earlier, then the smaller entry
-    id; score 0); else newest first (score 0). ``text`` and ``embedding`` are not combined: a text query's words
+    id; score 0); else newest first (score 0). ``oldest_first`` puts time before the score: the entries that
+    ``text`` matches (every entry without ``text``) oldest first, ties the smaller entry id (score 0), for a
+    question about the first time something was seen. ``text`` and ``embedding`` are not combined: a text query's words
     and an observation's pooled prefix state are not in one space (docs/memory.md).
 
     Attributes:
@@ -110,10 +112,13 @@ class MemoryQuery:
         embedding: float32 ``(width,)`` to rank by cosine similarity; None = not used.
         k: most hits returned, >= 1.
         near_time_s: a time [s] to rank by closeness to (not with ``text`` or ``embedding``); None = not used.
+        oldest_first: rank the matches by stamp, oldest first, instead of by score or newest first (not with
+            ``embedding`` or ``near_time_s``).
 
     Raises:
         ValueError: ``k`` < 1, ``near`` without a positive ``radius_m``, ``since_s`` after ``until_s``, or both
-            ``text`` and ``embedding``, a ``near_time_s`` that is not finite or comes with either.
+            ``text`` and ``embedding``, a ``near_time_s`` that is not finite or comes with either, ``oldest_first``
+            with ``embedding`` or ``near_time_s``.
     """
 
     text: str = ""
@@ -125,6 +130,7 @@ class MemoryQuery:
     embedding: np.ndarray | None = field(default=None, compare=False)
     k: int = 10
     near_time_s: float | None = None
+    oldest_first: bool = False
 
     def __post_init__(self):
         if self.k < 1:
@@ -142,6 +148,9 @@ class MemoryQuery:
                 raise ValueError(f"near_time_s must be finite, got {self.near_time_s}")
             if self.text.strip() or self.embedding is not None:
                 raise ValueError("rank by text, embedding or near_time_s, one of them")
+        if self.oldest_first and (self.embedding is not None or self.near_time_s is not None):
+            raise ValueError("oldest_first orders the text matches (or every entry) by time: not with embedding or "
+                             "near_time_s")
 
 
 @dataclass(frozen=True)

@@ -197,9 +197,11 @@ class SqliteMemoryStore(MemoryStore):
             terms = self._weighted_terms(db, sorted(words(query.text)))
             if terms:
                 match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
-                sql = (f"SELECT {_COLUMNS}, -bm25(entries_fts) FROM entries_fts JOIN entries e "
+                score, order = (("0.0", "e.stamp_s, e.entry_id") if query.oldest_first else
+                                ("-bm25(entries_fts)", "bm25(entries_fts), e.stamp_s DESC"))
+                sql = (f"SELECT {_COLUMNS}, {score} FROM entries_fts JOIN entries e "
                        f"ON e.id = entries_fts.rowid WHERE entries_fts MATCH ?{''.join(' AND ' + w for w in where)} "
-                       "ORDER BY bm25(entries_fts), e.stamp_s DESC LIMIT ?")
+                       f"ORDER BY {order} LIMIT ?")
                 rows = db.execute(sql, [match, *params, query.k]).fetchall()
                 return [Hit(self._record(row[:-1]), float(row[-1])) for row in rows]
             if query.text.strip():      # words asked, none searchable (punctuation only): nothing matches
@@ -208,7 +210,8 @@ class SqliteMemoryStore(MemoryStore):
             if query.near_time_s is not None:
                 return self._near_time_query(db, query, clause, params)
             if query.embedding is None:
-                rows = db.execute(f"SELECT {_COLUMNS} FROM entries e{clause} ORDER BY e.stamp_s DESC, e.id DESC "
+                order = "e.stamp_s, e.entry_id" if query.oldest_first else "e.stamp_s DESC, e.id DESC"
+                rows = db.execute(f"SELECT {_COLUMNS} FROM entries e{clause} ORDER BY {order} "
                                   "LIMIT ?", [*params, query.k]).fetchall()
                 return [Hit(self._record(row), 0.0) for row in rows]
             return self._embedding_query(db, query, clause, params)

@@ -36,7 +36,7 @@ from rclpy.task import Future
 from oxygen_ros.engine import RequestStatus, TextEvent
 from oxygen_ros.engine.config import check_template
 from oxygen_ros.memory.prompt import DEFAULT_K, MEMORY_FIELD, fill_memory, has_memory_field
-from oxygen_ros.node.inputs import is_blank
+from oxygen_ros.node.inputs import is_blank, time_msg
 
 if TYPE_CHECKING:
     from oxygen_ros.node.oxygen_node import OxygenNode
@@ -241,12 +241,12 @@ class Commands:
             return Ask.Result(status=Ask.Result.STATUS_CANCELLED, message="the node left the active state")
         mailbox = _Goal(goal.instruction or None)
         key = bytes(goal_handle.goal_id.uuid)
-        template, memory_ids = goal.prompt_template or None, []
+        template, memory_ids, asked_s = goal.prompt_template or None, [], None
         memory = self._memory
         if template is not None and has_memory_field(template):
             try:     # a store query on the executor (milliseconds; docs/memory.md, "Cost"), no inference
-                text, memory_ids = memory.recall(goal.instruction or self._node.instruction or "",
-                                                 goal.memory_k or DEFAULT_K)
+                text, memory_ids, asked_s = memory.recall(goal.instruction or self._node.instruction or "",
+                                                          goal.memory_k or DEFAULT_K)
             except Exception as error:     # no store any more (cleanup), or the store failed
                 goal_handle.abort()
                 return Ask.Result(status=Ask.Result.STATUS_DROPPED, message=f"memory not read: {error}")
@@ -263,6 +263,8 @@ class Commands:
         try:
             result = await self._follow(goal_handle, mailbox, utterance_id)
             result.memory_entry_ids = memory_ids
+            if asked_s is not None:
+                result.memory_stamp = time_msg(asked_s)
             return result
         finally:
             with self._goals_lock:

@@ -54,6 +54,12 @@ def stamp_seconds(stamp: Time) -> float:
     return stamp.sec + stamp.nanosec * 1e-9
 
 
+def time_msg(seconds: float) -> Time:
+    """Seconds (float, >= 0) → ``builtin_interfaces/Time`` (nanoseconds rounded, at most 999 999 999)."""
+    sec = math.floor(seconds)
+    return Time(sec=int(sec), nanosec=min(int(round((seconds - sec) * 1e9)), 999_999_999))
+
+
 def is_zero(stamp: Time) -> bool:
     """True for the unset stamp (0 s, 0 ns)."""
     return stamp.sec == 0 and stamp.nanosec == 0

@@ -27,7 +27,6 @@ import time
 from typing import Callable
 
 import numpy as np
-from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import KeyValue
 from geometry_msgs.msg import PoseStamped
 from oxygen_ros.msg import MemoryEntry
@@ -37,7 +36,7 @@ from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
 
 from oxygen_ros.memory import MemoryQuery, MemoryRecord, MemoryStore, Pose, RetentionPolicy, open_store
 from oxygen_ros.memory.prompt import memory_text, recall
-from oxygen_ros.node.inputs import DropCounter, is_zero, stamp_seconds
+from oxygen_ros.node.inputs import DropCounter, is_zero, stamp_seconds, time_msg
 from oxygen_ros.node.parameters import MemorySettings
 
 POSE_BUFFER_SIZE = 400       # pose samples kept (20 s of a 20 Hz localisation)
@@ -206,15 +205,10 @@ def record_of(msg: MemoryEntry) -> MemoryRecord:
                         tuple(msg.camera_names), pose, embedding)
 
 
-def _time_msg(seconds: float) -> Time:
-    sec = math.floor(seconds)
-    return Time(sec=int(sec), nanosec=min(int(round((seconds - sec) * 1e9)), 999_999_999))
-
-
 def entry_msg(record: MemoryRecord) -> MemoryEntry:
     """The ``oxygen_ros/MemoryEntry`` of a stored record (the inverse of :func:`record_of`)."""
     msg = MemoryEntry()
-    msg.header.stamp = _time_msg(record.stamp_s)
+    msg.header.stamp = time_msg(record.stamp_s)
     msg.entry_id, msg.text, msg.robot, msg.instruction = record.entry_id, record.text, record.robot, record.instruction
     msg.camera_names = list(record.camera_names)
     if record.embedding is not None:
@@ -227,7 +221,7 @@ def entry_msg(record: MemoryRecord) -> MemoryEntry:
 def _fill_pose(msg: MemoryEntry, pose: Pose) -> None:
     msg.has_pose = True
     msg.pose.header.frame_id = pose.frame_id
-    msg.pose.header.stamp = _time_msg(pose.stamp_s)
+    msg.pose.header.stamp = time_msg(pose.stamp_s)
     p, q = msg.pose.pose.position, msg.pose.pose.orientation
     p.x, p.y, p.z = pose.position
     q.x, q.y, q.z, q.w = pose.orientation
@@ -248,6 +242,7 @@ class MemoryService:
     def __init__(self, node, settings: MemorySettings, now_s: Callable[[], float]):
         self._node = node
         self._settings = settings
+        self._now_s = now_s
         self.robot = settings.robot or node.get_namespace().strip("/")
         self.drops = DropCounter(node.get_logger().warning, what="memory")
         self.poses = PoseBuffer()
@@ -310,14 +305,17 @@ class MemoryService:
         if self.writer is not None:
             self.writer.put(record_of(msg))
 
-    def recall(self, question: str, k: int) -> tuple[str, list[str]]:
-        """The ``{memory}`` text of an ``~/ask`` goal and the ids of its entries (this robot's entries:
-        :func:`oxygen_ros.memory.prompt.recall`, :func:`~oxygen_ros.memory.prompt.memory_text`). Raises
+    def recall(self, question: str, k: int) -> tuple[str, list[str], float]:
+        """The ``{memory}`` text of an ``~/ask`` goal, the ids of its entries (this robot's entries:
+        :func:`oxygen_ros.memory.prompt.recall`, :func:`~oxygen_ros.memory.prompt.memory_text`) and the time of
+        asking [s, node clock] that the lines' ages (``<N> s ago``) and a question's age count from. Raises
         RuntimeError without a store, and the store's errors."""
         writer = self.writer
         if writer is None:
             raise RuntimeError("no memory store (set memory.store.path)")
-        return memory_text(recall(writer.store, question, k, self.robot))
+        now_s = self._now_s()
+        text, ids = memory_text(recall(writer.store, question, k, self.robot, now_s), now_s)
+        return text, ids, now_s
 
     def _on_query(self, request, response):
         response.success = False
@@ -330,7 +328,8 @@ class MemoryService:
                 text=request.text, since_s=None if is_zero(request.since) else stamp_seconds(request.since),
                 until_s=None if is_zero(request.until) else stamp_seconds(request.until),
                 near=(request.position.x, request.position.y, request.position.z) if request.use_place else None,
-                radius_m=request.radius_m, robot=request.robot or None, k=min(request.k or 10, MAX_QUERY_K))
+                radius_m=request.radius_m, robot=request.robot or None, k=min(request.k or 10, MAX_QUERY_K),
+                oldest_first=request.oldest_first)
             hits = writer.store.query(query)
         except Exception as err:     # a refused query or a failing store: the answer says why
             response.message = f"query refused: {err}" if isinstance(err, ValueError) else f"store failed: {err}"

@@ -11,8 +11,10 @@
    ``make train-qa``), the simulated robot runs beside it in a child process with the cube at seed
    ``--scene-seed`` (a scene none of the episodes had; it executes no action: the node's chunks go to a topic
    nobody reads), so the camera frames never show what a question asks. The node's store (``memory.store.path``)
-   holds one episode's entries at a time (the next episode's replace them, by age), and every question is asked over
-   DDS as an ``~/ask`` goal (task ``speech``, ``memory_k`` ``--memory-k``) twice: with
+   holds one episode's entries at a time, moved in time to end when they are loaded (the questions are asked just
+   after their episode, as its user would; times in the lines and answers are ages at the time of asking, the
+   goal result's ``memory_stamp``), and every question is asked over DDS as an ``~/ask`` goal (task ``speech``,
+   ``memory_k`` ``--memory-k``) twice: with
    :data:`~oxygen_ros.demo_task.questions.PROMPT_WITH_MEMORY` and with
    :data:`~oxygen_ros.demo_task.questions.PROMPT_WITHOUT_MEMORY`.
 3. **Scores**: answer accuracy per condition and question type (95 % Wilson intervals), the paired difference
@@ -220,9 +222,9 @@ def node_parameters(checkpoint: str, store_path: str) -> dict:
 
 
 def _load_episode(path: Path, entries: list) -> None:
-    """Make the store at ``path`` hold exactly ``entries``: they are inserted, then every older entry is removed
-    (retention by count; the episodes come in time order). The node keeps the file open and reads it at each
-    question: no reconfiguration between episodes.
+    """Make the store at ``path`` hold exactly ``entries`` (stamps at or before now): every entry is removed (the
+    retention's age rule, an hour ahead of now), then they are inserted. The node keeps the file open and reads it
+    at each question: no reconfiguration between episodes.
 
     Raises:
         RuntimeError: the store holds other entries afterwards.
@@ -230,8 +232,8 @@ def _load_episode(path: Path, entries: list) -> None:
     from oxygen_ros.memory import MemoryRecord, RetentionPolicy, open_store
 
     with open_store(path) as store:
+        store.prune(RetentionPolicy(max_age_s=1.0), now_s=time.time() + 3600.0)
         store.insert([MemoryRecord(str(e), float(stamp), str(text)) for e, stamp, text in entries])
-        store.prune(RetentionPolicy(max_count=len(entries)))
         held = sorted(r.entry_id for r in store.records())
     if held != sorted(str(e) for e, _, _ in entries):
         raise RuntimeError(f"the store holds {held}, not the episode's entries")
@@ -257,13 +259,10 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
     from oxygen_ros.node.executor import TransitionExecutor
     from oxygen_ros.node.oxygen_node import OxygenNode
     from oxygen_ros.tools.child_process import package_pythonpath, start_child, stop_child
+    from oxygen_ros.tools.evaluate.node_runs import spin_until
 
     store_path = args.out / "memory.db"
     order = sorted(question_set["episodes"], key=lambda e: min(stamp for _, stamp, _ in e["entries"]))
-    for before, after in zip(order, order[1:]):
-        if max(s for _, s, _ in before["entries"]) >= min(s for _, s, _ in after["entries"]):
-            raise RuntimeError(f"episodes {before['episode']} and {after['episode']} overlap in time: each episode's "
-                               "entries replace the one's before by age (RetentionPolicy max_count)")
     if store_path.exists():
         store_path.unlink()
     _load_episode(store_path, order[0]["entries"])
@@ -279,15 +278,6 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
     stop = threading.Event()
     oxygen = client_node = client = None
     rows: list[dict] = []
-
-    def spin() -> None:
-        while not stop.is_set():
-            try:
-                executor.spin_once(timeout_sec=0.1)
-            except Exception:
-                if stop.is_set():
-                    return
-                raise
 
     def wait_active(timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -307,25 +297,26 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
             time.sleep(0.02)
         return future.result()
 
-    def ask(question: dict, template: str) -> dict:
-        goal = Ask.Goal(task="speech", instruction=question["text"], prompt_template=template, memory_k=args.memory_k)
+    def ask(text: str, qid: str, template: str) -> dict:
+        goal = Ask.Goal(task="speech", instruction=text, prompt_template=template, memory_k=args.memory_k)
         for attempt in range(3):     # a goal request can be lost in transport: sent again (a new goal)
             try:
-                handle = wait(client.send_goal_async(goal), 20.0, f"goal {question['qid']}")
+                handle = wait(client.send_goal_async(goal), 20.0, f"goal {qid}")
                 break
             except RuntimeError:
                 if attempt == 2:
                     raise
-                log(f"goal {question['qid']}: no response to the goal request within 20 s; sent again")
+                log(f"goal {qid}: no response to the goal request within 20 s; sent again")
         if not handle.accepted:
-            raise RuntimeError(f"goal {question['qid']} rejected (the node's log says why)")
-        response = wait(handle.get_result_async(), 120.0, f"result {question['qid']}")
+            raise RuntimeError(f"goal {qid} rejected (the node's log says why)")
+        response = wait(handle.get_result_async(), 120.0, f"result {qid}")
         result = response.result
         if response.status != GoalStatus.STATUS_SUCCEEDED or result.status != Ask.Result.STATUS_COMPLETED:
-            raise RuntimeError(f"goal {question['qid']} ended {response.status}/{result.status}: {result.message}")
-        return {"text": result.text, "memory_entry_ids": list(result.memory_entry_ids)}
+            raise RuntimeError(f"goal {qid} ended {response.status}/{result.status}: {result.message}")
+        return {"text": result.text, "memory_entry_ids": list(result.memory_entry_ids),
+                "memory_stamp_s": result.memory_stamp.sec + result.memory_stamp.nanosec * 1e-9}
 
-    spinner = threading.Thread(target=spin, daemon=True)
+    spinner = threading.Thread(target=lambda: spin_until(executor, stop), daemon=True)
     try:
         oxygen = OxygenNode(NODE_NAME, context=context, parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
         # the node's own executor (oxygen_ros/node/executor.py): callbacks inline, transitions on a worker; a
@@ -342,29 +333,32 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
             raise RuntimeError(f"no /{NODE_NAME}/ask server")
         for index, episode in enumerate(order):
             name = episode["episode"]
-            if index:
-                _load_episode(store_path, episode["entries"])
-            with open_store(store_path) as store:
-                recalled = {q["qid"]: recall(store, q["text"], args.memory_k)
-                            for q in question_set["questions"] if q["episode"] == name}
-            ranked = {qid: [r.entry_id for r in records] for qid, records in recalled.items()}
+            # the episode moved to end now (node clock: system time), so its questions are asked just after it,
+            # as the robot's user would; ages in the lines and answers count from the time of asking
+            offset = time.time() - max(stamp for _, stamp, _ in episode["entries"])
+            _load_episode(store_path, [(e, stamp + offset, text) for e, stamp, text in episode["entries"]])
             for data in (q for q in question_set["questions"] if q["episode"] == name):
-                question = qs.Question.from_json(data)
-                with_memory = ask(data, qs.PROMPT_WITH_MEMORY)
-                without = ask(data, qs.PROMPT_WITHOUT_MEMORY)
-                if sorted(with_memory["memory_entry_ids"]) != sorted(ranked[data["qid"]]):
+                question = qs.Question.from_json(data).shifted(offset)
+                asked = question.ask_text(time.time())
+                with_memory = ask(asked, data["qid"], qs.PROMPT_WITH_MEMORY)
+                without = ask(asked, data["qid"], qs.PROMPT_WITHOUT_MEMORY)
+                now_s = with_memory["memory_stamp_s"]
+                with open_store(store_path) as store:     # recall as the node did, at its time of asking
+                    records = recall(store, asked, args.memory_k, now_s=now_s)
+                top = [r.entry_id for r in records]
+                if sorted(with_memory["memory_entry_ids"]) != sorted(top):
                     raise RuntimeError(f"{data['qid']}: the node's memory {with_memory['memory_entry_ids']} is not "
-                                       f"recall's {ranked[data['qid']]}")
-                top = ranked[data["qid"]]
-                lines = sorted((r.stamp_s, r.text) for r in recalled[data["qid"]])
-                rule = qs.answer_from_lines(question, lines)
-                row = {"qid": question.qid, "episode": name, "type": question.type, "question": question.text,
+                                       f"recall's {top}")
+                lines = sorted((r.stamp_s, r.text) for r in records)
+                rule = qs.answer_from_lines(question, lines, now_s)
+                row = {"qid": question.qid, "episode": name, "type": question.type, "question": asked,
                        "answer": question.answer, "relevant": list(question.relevant), "ranked": top,
-                       "lines": lines, "rule": {"answer": rule, "correct": qs.answer_correct(question, rule)},
+                       "lines": [(round(stamp - offset, 3), text) for stamp, text in lines], "asked_s": now_s - offset,
+                       "rule": {"answer": rule, "correct": qs.answer_correct(question, rule, now_s)},
                        "with_memory": {**with_memory, "parsed": qs.parse_answer(with_memory["text"]),
-                                       "correct": qs.answer_correct(question, with_memory["text"])},
+                                       "correct": qs.answer_correct(question, with_memory["text"], now_s)},
                        "without_memory": {"text": without["text"], "parsed": qs.parse_answer(without["text"]),
-                                          "correct": qs.answer_correct(question, without["text"])}}
+                                          "correct": qs.answer_correct(question, without["text"], now_s)}}
                 rows.append(row)
                 log(f"{question.qid}: truth {question.answer!r}; with memory {row['with_memory']['parsed']!r} "
                     f"({'right' if row['with_memory']['correct'] else 'wrong'}), without "
@@ -445,6 +439,8 @@ def read_question_set(path: Path) -> dict:
         if question.episode not in episodes or question.type not in qs.QUESTION_TYPES:
             raise ValueError(f"{path}: question {question.qid}: unknown episode {question.episode!r} or type "
                              f"{question.type!r}")
+        if question.type == "holder_at" and question.time_s is None:
+            raise ValueError(f"{path}: question {question.qid}: a holder_at question needs its time_s")
     return data
 
 

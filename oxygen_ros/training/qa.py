@@ -13,13 +13,13 @@ What it is trained on: generated examples only — no recorded episode, no evalu
 * **Memory entries** every 2 s (± 0.3 s) with noise the demo's captions have: each entry missing with p = 0.1, its
   caption wrong with a per-episode p ∈ [0.05, 0.35] (half of them the caption of a moment 1-3 s away, half any
   caption).
-* **Questions** of :mod:`oxygen_ros.demo_task.questions` (the evaluation's code); the memory lines are what the
-  node puts into ``{memory}``: the entries go into a SQLite store and :func:`oxygen_ros.memory.prompt.recall` /
-  :func:`~oxygen_ros.memory.prompt.memory_text` pick and write them (``--memory-k``, default 3: four lines of
-  wall-clock stamps overflow the 200-token prompt).
+* **Questions** of :mod:`oxygen_ros.demo_task.questions` (the evaluation's code), asked 0-15 s after the episode
+  ends (:data:`ASK_DELAY_S`); the memory lines are what the node puts into ``{memory}``: the entries go into a
+  SQLite store and :func:`oxygen_ros.memory.prompt.recall` / :func:`~oxygen_ros.memory.prompt.memory_text` pick
+  and write them with their ages at the time of asking (``--memory-k``, default 3).
 * **Targets** (:func:`oxygen_ros.demo_task.questions.answer_from_lines`): with memory, the answer the lines give
   by a fixed rule (the side in the
-  oldest "on the <side> of the table" line, else ``right``, the likelier start; the stamp of the newest line that says the right gripper holds the cube
+  oldest "on the <side> of the table" line, else ``right``, the likelier start; the age of the newest line that says the right gripper holds the cube
   in the air, or ``never``; the holder in the line nearest the asked time, however far; the holder in the newest line that names one) —
   copied, not guessed, so a wrong caption gives a wrong target exactly as it would mislead a reader; a quarter of
   the examples have no memory (``Memory: none``) and the true answer as target (the prior: what the model can know
@@ -117,6 +117,9 @@ def synthetic_entries(samples: list[dict], rng: random.Random, period_s: float =
     return entries
 
 
+ASK_DELAY_S = 15.0     # questions are asked up to this long after their episode ends [s]
+
+
 def no_memory_target(question: qs.Question) -> str:
     """Without memory: the true answer, where it is a word; ``unknown`` for a time."""
     return qs.UNKNOWN if question.answer.startswith("t=") else question.answer
@@ -146,14 +149,16 @@ def make_examples(n_episodes: int, seed: int, memory_k: int = 3, no_memory: floa
             with open_store(Path(tmp) / f"{n}.db", synchronous="normal") as store:
                 store.insert([MemoryRecord(e, stamp, text) for e, stamp, text in entries])
                 for question in questions:
+                    now_s = samples[-1]["t"] + rng.uniform(0.0, ASK_DELAY_S)     # asked after the episode
+                    asked = question.ask_text(now_s)
                     if rng.random() < no_memory:
-                        examples.append(Example(qs.PROMPT_WITHOUT_MEMORY, question.text, no_memory_target(question)))
+                        examples.append(Example(qs.PROMPT_WITHOUT_MEMORY, asked, no_memory_target(question)))
                         continue
-                    records = recall(store, question.text, memory_k)
-                    text, _ = memory_text(records)
+                    records = recall(store, asked, memory_k, now_s=now_s)
+                    text, _ = memory_text(records, now_s)
                     lines = sorted((r.stamp_s, r.text) for r in records)
-                    examples.append(Example(fill_memory(qs.PROMPT_WITH_MEMORY, text), question.text,
-                                            qs.answer_from_lines(question, lines)))
+                    examples.append(Example(fill_memory(qs.PROMPT_WITH_MEMORY, text), asked,
+                                            qs.answer_from_lines(question, lines, now_s)))
             (Path(tmp) / f"{n}.db").unlink()
     return examples
 
@@ -207,7 +212,8 @@ def train_qa(args: argparse.Namespace) -> dict:
         return prompt, tok.encode(example.answer) + [tok.eos_id]
 
     # --time-repeat: the examples whose answer is a time (copied digit by digit) drawn that many times as often
-    examples = [e for e in examples for _ in range(args.time_repeat if e.answer.startswith("t=") else 1)]
+    examples = [e for e in examples
+                for _ in range(args.time_repeat if qs.answer_time(e.answer, 0.0) is not None else 1)]
     encoded = [encode(e) for e in examples]
     longest = max(len(p) for p, _ in encoded)
     frames = start_images(cameras, IMAGE_SEEDS[:args.image_sets])
@@ -294,7 +300,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--init-from", type=Path, default=demo_policy_dir(),
                         help="the demo policy checkpoint to start from (default: the shipped one)")
     parser.add_argument("--out", type=Path, default=Path("runs/train-qa"), help="output directory")
-    parser.add_argument("--steps", type=int, default=900)
+    parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=50)

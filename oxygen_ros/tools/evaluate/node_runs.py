@@ -86,7 +86,7 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
     oxygen = follower = None
     records: dict[str, list[dict]] = {run.name: [] for run in runs}
     stop = threading.Event()
-    spinner = threading.Thread(target=lambda: _spin(executor, stop), daemon=True)
+    spinner = threading.Thread(target=spin_until, args=(executor, stop), daemon=True)
     try:
         oxygen = OxygenNode(NODE_NAME, context=context,
                             parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
@@ -216,7 +216,9 @@ def _wait_for_language(oxygen, follower: "_Follower", timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-def _spin(executor, stop: threading.Event) -> None:
+def spin_until(executor, stop: threading.Event) -> None:
+    """Spin ``executor`` (an in-process node's, on a thread of its own) until ``stop`` is set; an error raised
+    after ``stop`` (the context going down at the end) ends it quietly, any other is raised."""
     while not stop.is_set():
         try:
             executor.spin_once(timeout_sec=0.1)
