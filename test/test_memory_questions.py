@@ -205,10 +205,17 @@ def test_a_malformed_question_file_is_refused_before_any_node_starts(tmp_path, c
     bad = {"empty.json": "{}", "text.json": "not json", "none.json": json.dumps({**shipped, "questions": []}),
            "orphan.json": json.dumps({**shipped, "questions": [{**shipped["questions"][0], "episode": "nowhere"}]}),
            "entries.json": json.dumps({**shipped, "episodes": [{**shipped["episodes"][0], "entries": [[1]]}]})}
+    first = shipped["episodes"][0]
+    bad["inf.json"] = json.dumps({**shipped, "episodes": [{**first, "entries": [["a", float("inf"), "x"]]},
+                                                          *shipped["episodes"][1:]]})
+    bad["nan_time.json"] = json.dumps({**shipped, "questions": [{**q, "time_s": float("nan")} if q["type"] ==
+                                                                "holder_at" else q for q in shipped["questions"]]})
+    bad["word_stamp.json"] = json.dumps({**shipped, "episodes": [{**first, "entries": [["a", "abc", "x"]]},
+                                                                 *shipped["episodes"][1:]]})
     for name, text in bad.items():
         path = tmp_path / name
         path.write_text(text)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=str(path)):
             memory_eval.read_question_set(path)
         assert memory_eval.main(["--questions", str(path), "--checkpoint", str(Path(demo_policy_dir())),
                                  "--out", str(tmp_path / "out")]) == 2

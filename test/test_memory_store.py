@@ -372,7 +372,8 @@ def test_oldest_first_ranks_the_text_matches_by_time(store):
     assert _ids(store.query(MemoryQuery(robot="r2", k=3, oldest_first=True))) == ["e"]
     assert _ids(store.query(MemoryQuery(text="red cube", near=(10.0, 0.0, 0.0), radius_m=0.5, k=5,
                                         oldest_first=True))) == ["d"]
-    for bad in (dict(oldest_first=True, near_time_s=1.0), dict(oldest_first=True, embedding=np.ones(3, np.float32))):
+    for bad in (dict(oldest_first=True, near_time_s=1.0), dict(oldest_first=True, embedding=np.ones(3, np.float32)),
+                dict(since_s=float("nan")), dict(until_s=float("nan"), text="cube")):
         with pytest.raises(ValueError):
             MemoryQuery(**bad)
 
@@ -382,6 +383,7 @@ def test_memory_prompt_ages_and_questions_about_the_first_time(store):
 
     # ages at the time of asking, whole seconds, rounded; a stamp after it (a clock behind): 0 s ago
     assert age_text(100.0, 87.6) == "12 s ago" and age_text(100.0, 100.4) == "0 s ago"
+    assert age_text(100.0, 97.5) == "3 s ago" and age_text(100.0, 86.5) == "14 s ago"      # halves up
     with pytest.raises(ValueError):
         age_text(float("nan"), 1.0)
     text, ids = memory_text(recall(store, "mug gripper", k=2), now_s=52.4)
@@ -395,6 +397,7 @@ def test_memory_prompt_ages_and_questions_about_the_first_time(store):
     assert question_time("what did you see 7 seconds ago", now_s=52.0) == 45.0
     assert question_time("which gripper held the cube 12 s ago?") is None
     assert question_time("at t=3 or 12 s ago", now_s=52.0) == 3.0
+    assert question_time("held -3 s ago", now_s=52.0) is None and question_time("+3 s ago", now_s=52.0) is None
     assert [r.entry_id for r in recall(store, "what was seen 20 s ago?", k=2, now_s=52.0)] == ["c", "d"]
     # a question about the first time: the oldest matching entries; the same words otherwise: best BM25 first
     assert [r.entry_id for r in recall(store, "which kitchen counter did you see first?", k=1)] == ["a"]

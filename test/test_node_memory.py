@@ -167,6 +167,9 @@ def test_ask_fills_memory_from_the_store_and_lists_the_entries(harness):
     client = ActionClient(harness.robot, Ask, harness.topic("oxygen_node/ask"))
     try:
         assert client.wait_for_server(timeout_sec=20.0)
+        too_many = client.send_goal_async(Ask.Goal(task="speech", instruction="where was the cube?", memory_k=1001,
+                                                   prompt_template="Memory: {memory}. Question: {instruction}"))
+        assert wait_for(too_many.done, 30.0) and not too_many.result().accepted
         sent = client.send_goal_async(Ask.Goal(task="speech", instruction="where was the cube?", memory_k=3,
                                                prompt_template="Memory: {memory}. Question: {instruction}"))
         assert wait_for(sent.done, 30.0)

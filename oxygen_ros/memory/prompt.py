@@ -23,7 +23,7 @@ DEFAULT_K = 5
 # a time in a question, written as the memory lines write it: t=<seconds>, optionally followed by s
 TIME_IN_QUESTION = re.compile(r"(?<![\w.])t\s*=\s*([-+]?\d+(?:\.\d+)?)(?!\d|\.\d)")
 # an age in a question, as the memory lines write it at the time of asking: <N> s ago (or sec / second(s))
-AGE_IN_QUESTION = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s*(?:s|secs?|seconds?)\s+ago\b", re.IGNORECASE)
+AGE_IN_QUESTION = re.compile(r"(?<![\w.+-])(\d+(?:\.\d+)?)\s*(?:s|secs?|seconds?)\s+ago\b", re.IGNORECASE)
 # a question about the first time something was seen or done: its matches are read oldest first
 FIRST_IN_QUESTION = re.compile(r"\b(?:first|earliest|initially|originally)\b", re.IGNORECASE)
 
@@ -31,8 +31,9 @@ FIRST_IN_QUESTION = re.compile(r"\b(?:first|earliest|initially|originally)\b", r
 def question_time(question: str, now_s: float | None = None) -> float | None:
     """The time [s] a question names in the memory lines' notation: ``t=<seconds>`` (the node's clock, e.g.
     ``"which gripper held the cube at t=1012?"`` -> 1012.0), else, when ``now_s`` (the time of asking [s]) is
-    given, an age ``<N> s ago`` -> ``now_s - N`` (``"... 12 s ago?"`` with ``now_s`` 1012.0 -> 1000.0). None
-    when it names neither. The first such time counts."""
+    given, an age ``<N> s ago`` -> ``now_s - N`` (``"... 12 s ago?"`` with ``now_s`` 1012.0 -> 1000.0; a signed
+    ``-3 s ago`` is no age). None when it names neither. A ``t=`` time counts before an age, the first of each
+    kind."""
     match = TIME_IN_QUESTION.search(question)
     if match:
         return float(match.group(1))
@@ -45,11 +46,11 @@ def question_time(question: str, now_s: float | None = None) -> float | None:
 
 def age_text(now_s: float, stamp_s: float) -> str:
     """How long before ``now_s`` a stamp is, as the memory lines and time answers write it: ``"<N> s ago"``, N
-    whole seconds, rounded to the nearest (a stamp after ``now_s``, a clock that is behind: ``"0 s ago"``).
-    Raises ValueError for a time that is not finite."""
+    whole seconds, rounded to the nearest, halves up (a stamp after ``now_s``, a clock that is behind: ``"0 s
+    ago"``). Raises ValueError for a time that is not finite."""
     if not (math.isfinite(now_s) and math.isfinite(stamp_s)):
         raise ValueError(f"times must be finite, got now {now_s} and stamp {stamp_s}")
-    return f"{max(0, round(now_s - stamp_s))} s ago"
+    return f"{max(0, math.floor(now_s - stamp_s + 0.5))} s ago"
 
 
 def nearest_in_time(store: MemoryStore, t_s: float, k: int, robot: str | None = None) -> list[MemoryRecord]:

@@ -116,7 +116,8 @@ class MemoryQuery:
             ``embedding`` or ``near_time_s``).
 
     Raises:
-        ValueError: ``k`` < 1, ``near`` without a positive ``radius_m``, ``since_s`` after ``until_s``, or both
+        ValueError: ``k`` < 1, ``near`` without a positive ``radius_m``, a NaN time bound, ``since_s`` after
+            ``until_s``, or both
             ``text`` and ``embedding``, a ``near_time_s`` that is not finite or comes with either, ``oldest_first``
             with ``embedding`` or ``near_time_s``.
     """
@@ -139,6 +140,8 @@ class MemoryQuery:
             raise ValueError(f"a place query needs a finite radius_m > 0, got {self.radius_m}")
         if self.near is not None and (len(self.near) != 3 or not all(math.isfinite(v) for v in self.near)):
             raise ValueError(f"near must be three finite coordinates [m], got {self.near}")
+        if any(bound is not None and math.isnan(bound) for bound in (self.since_s, self.until_s)):
+            raise ValueError(f"a time bound must not be NaN, got since_s {self.since_s}, until_s {self.until_s}")
         if self.since_s is not None and self.until_s is not None and self.since_s > self.until_s:
             raise ValueError(f"since_s {self.since_s} is after until_s {self.until_s}")
         if self.text.strip() and self.embedding is not None:

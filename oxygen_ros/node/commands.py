@@ -37,6 +37,7 @@ from oxygen_ros.engine import RequestStatus, TextEvent
 from oxygen_ros.engine.config import check_template
 from oxygen_ros.memory.prompt import DEFAULT_K, MEMORY_FIELD, fill_memory, has_memory_field
 from oxygen_ros.node.inputs import is_blank, time_msg
+from oxygen_ros.node.memory_service import MAX_QUERY_K as MAX_MEMORY_K
 
 if TYPE_CHECKING:
     from oxygen_ros.node.oxygen_node import OxygenNode
@@ -181,6 +182,8 @@ class Commands:
                 return str(error)
             if self._memory is None and has_memory_field(goal.prompt_template):
                 return "prompt_template has {memory} but the node has no memory store (set memory.store.path)"
+            if goal.memory_k > MAX_MEMORY_K and has_memory_field(goal.prompt_template):
+                return f"memory_k {goal.memory_k} is over {MAX_MEMORY_K} (the most ~/query_memory returns too)"
         return None
 
     def attach_memory(self, memory) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -391,8 +392,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", type=Path, default=Path("runs/train-qa/checkpoint"),
                         help="the QA checkpoint the node serves (default runs/train-qa/checkpoint: make train-qa)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default runs/memory-eval-<timestamp>)")
-    parser.add_argument("--memory-k", type=int, default=3, help="entries in {memory} (default 3: more overflow the "
-                        "200-token prompt with wall-clock stamps)")
+    parser.add_argument("--memory-k", type=int, default=3, help="entries in {memory} (default 3, as the QA "
+                        "fine-tune was trained)")
     parser.add_argument("--scene-seed", type=int, default=SCENE_SEED,
                         help=f"cube seed of the scene the questions are asked in (default {SCENE_SEED})")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
@@ -421,17 +422,18 @@ def read_question_set(path: Path) -> dict:
     """
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path}: not JSON ({err})") from None
     try:
         episodes = {str(e["episode"]): e for e in data["episodes"]}
         for name, episode in episodes.items():
             entries = episode["entries"]
-            if not entries or not all(len(e) == 3 and isinstance(e[2], str) and float(e[1]) == float(e[1])
+            if not entries or not all(len(e) == 3 and isinstance(e[2], str) and math.isfinite(float(e[1]))
                                       for e in entries):
-                raise ValueError(f"episode {name}: entries must be [entry_id, stamp_s, caption], at least one")
+                raise ValueError(f"episode {name}: entries must be [entry_id, finite stamp_s, caption], at least "
+                                 "one")
         questions = [qs.Question.from_json(q) for q in data["questions"]]
-    except (KeyError, TypeError, AttributeError) as err:
+    except (KeyError, TypeError, AttributeError, ValueError) as err:
         raise ValueError(f"{path}: not a question set (made by --record): {type(err).__name__} {err}") from None
     if not questions:
         raise ValueError(f"{path}: no question")
@@ -439,8 +441,9 @@ def read_question_set(path: Path) -> dict:
         if question.episode not in episodes or question.type not in qs.QUESTION_TYPES:
             raise ValueError(f"{path}: question {question.qid}: unknown episode {question.episode!r} or type "
                              f"{question.type!r}")
-        if question.type == "holder_at" and question.time_s is None:
-            raise ValueError(f"{path}: question {question.qid}: a holder_at question needs its time_s")
+        if question.time_s is not None and not math.isfinite(question.time_s) or \
+                question.type == "holder_at" and question.time_s is None:
+            raise ValueError(f"{path}: question {question.qid}: time_s must be finite (and given for holder_at)")
     return data
 
 
