@@ -86,7 +86,7 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
     oxygen = follower = None
     records: dict[str, list[dict]] = {run.name: [] for run in runs}
     stop = threading.Event()
-    spinner = threading.Thread(target=spin_until, args=(executor, stop), daemon=True)
+    spinner = threading.Thread(target=lambda: spin_until(executor, stop), daemon=True)   # executor: set below
     try:
         oxygen = OxygenNode(NODE_NAME, context=context,
                             parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
