@@ -183,7 +183,7 @@ def test_ask_fills_memory_from_the_store_and_lists_the_entries(harness):
     result = response.result
     assert response.status == GoalStatus.STATUS_SUCCEEDED, result.message
     assert len(result.memory_entry_ids) == 3
-    asked_s = result.memory_stamp.sec + result.memory_stamp.nanosec * 1e-9      # the ages' time of asking
+    asked_s = _seconds(result.memory_stamp)      # the ages' time of asking
     assert abs(asked_s - harness.robot.get_clock().now().nanoseconds * 1e-9) < 120.0
     with SqliteMemoryStore(harness.store_path) as store:
         used = store.get(result.memory_entry_ids)

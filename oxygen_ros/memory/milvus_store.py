@@ -497,9 +497,7 @@ class MilvusMemoryStore(MemoryStore):
         for bound, op, empty in ((query.since_s, ">=", math.inf), (query.until_s, "<=", -math.inf)):
             if bound is None or bound == -empty:
                 continue
-            if math.isnan(bound) or bound == empty:
-                if math.isnan(bound):
-                    raise ValueError("a time bound must not be NaN")
+            if bound == empty:          # (a NaN bound: refused by MemoryQuery)
                 return None
             clauses.append(f"stamp_s {op} {_number(bound)}")
         if query.robot is not None:
@@ -529,19 +527,10 @@ class MilvusMemoryStore(MemoryStore):
         candidates = None if query.near is None else self._place(query, expr)
         if candidates is not None and not candidates:
             return []
-        if query.text.strip() and query.oldest_first:
-            terms = set(self._weighted_terms(query.text))
-            if not terms:
-                return []
-            rows = self._scan(expr, ["entry_id", "stamp_s", "text"])
-            matches = [(row["entry_id"], row["stamp_s"]) for row in rows
-                       if (candidates is None or row["entry_id"] in candidates) and terms & _words(row["text"])]
-            ranked = [(entry_id, 0.0) for entry_id, _ in
-                      heapq.nsmallest(query.k, matches, key=lambda item: (item[1], item[0]))]
-        elif query.text.strip():
-            terms = self._weighted_terms(query.text)
-            if not terms:
-                return []
+        terms = self._weighted_terms(query.text) if query.text.strip() else []
+        if query.text.strip() and not terms:
+            return []
+        if terms and not query.oldest_first:
             ranked = self._ranked(self.collection, "sparse", " ".join(terms), expr, query.k, candidates)
         elif query.embedding is not None:
             target = np.asarray(query.embedding, dtype=np.float32).ravel()
@@ -552,9 +541,15 @@ class MilvusMemoryStore(MemoryStore):
             if not 2 <= target.size <= 32768 or not self._has(name):
                 return []
             ranked = self._ranked(name, "embedding", target.tolist(), expr, query.k, candidates)
-        else:
-            stamps = candidates if candidates is not None else \
-                {row["entry_id"]: row["stamp_s"] for row in self._scan(expr, ["entry_id", "stamp_s"])}
+        else:     # ranked by time: nearest near_time_s, oldest first (the text's matches) or newest first
+            if terms:         # Milvus has no order by time: every row passing the filters, matched here
+                wanted = set(terms)
+                stamps = {row["entry_id"]: row["stamp_s"]
+                          for row in self._scan(expr, ["entry_id", "stamp_s", "text"])
+                          if (candidates is None or row["entry_id"] in candidates) and wanted & _words(row["text"])}
+            else:
+                stamps = candidates if candidates is not None else \
+                    {row["entry_id"]: row["stamp_s"] for row in self._scan(expr, ["entry_id", "stamp_s"])}
             t = query.near_time_s
             if t is not None:
                 key = lambda item: (abs(item[1] - t), item[1], item[0])         # noqa: E731

@@ -180,10 +180,11 @@ class Commands:
                 check_template(goal.prompt_template, "prompt_template", extra_fields=(MEMORY_FIELD,))
             except ValueError as error:
                 return str(error)
-            if self._memory is None and has_memory_field(goal.prompt_template):
-                return "prompt_template has {memory} but the node has no memory store (set memory.store.path)"
-            if goal.memory_k > MAX_MEMORY_K and has_memory_field(goal.prompt_template):
-                return f"memory_k {goal.memory_k} is over {MAX_MEMORY_K} (the most ~/query_memory returns too)"
+            if has_memory_field(goal.prompt_template):
+                if self._memory is None:
+                    return "prompt_template has {memory} but the node has no memory store (set memory.store.path)"
+                if goal.memory_k > MAX_MEMORY_K:
+                    return f"memory_k {goal.memory_k} is over {MAX_MEMORY_K} (the most ~/query_memory returns too)"
         return None
 
     def attach_memory(self, memory) -> None:

@@ -258,6 +258,7 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
     from oxygen_ros.memory import open_store
     from oxygen_ros.memory.prompt import recall
     from oxygen_ros.node.executor import TransitionExecutor
+    from oxygen_ros.node.inputs import stamp_seconds
     from oxygen_ros.node.oxygen_node import OxygenNode
     from oxygen_ros.tools.child_process import package_pythonpath, start_child, stop_child
     from oxygen_ros.tools.evaluate.node_runs import spin_until
@@ -315,7 +316,7 @@ def ask_all(question_set: dict, args, log) -> list[dict]:
         if response.status != GoalStatus.STATUS_SUCCEEDED or result.status != Ask.Result.STATUS_COMPLETED:
             raise RuntimeError(f"goal {qid} ended {response.status}/{result.status}: {result.message}")
         return {"text": result.text, "memory_entry_ids": list(result.memory_entry_ids),
-                "memory_stamp_s": result.memory_stamp.sec + result.memory_stamp.nanosec * 1e-9}
+                "memory_stamp_s": stamp_seconds(result.memory_stamp)}
 
     spinner = threading.Thread(target=lambda: spin_until(executor, stop), daemon=True)
     try:
