@@ -57,12 +57,19 @@ def test_non_positive_durations_are_usage_errors(demo, argv, capsys):
     assert exit_info.value.code == 2 and "must be > 0" in capsys.readouterr().err
 
 
-def test_rate_calibration_is_on_by_default_and_can_be_switched_off(demo, capsys):
-    assert demo.parse_args([]).calibration_cycles == demo.demo_rate.CALIBRATION_CYCLES > 0
-    assert demo.parse_args(["--calibration-cycles", "0"]).calibration_cycles == 0
-    with pytest.raises(SystemExit) as exit_info:
-        demo.parse_args(["--calibration-cycles", "-1"])
-    assert exit_info.value.code == 2 and "--calibration-cycles must be >= 0" in capsys.readouterr().err
+def test_the_demo_runs_an_adaptive_rate_by_default_and_a_fixed_one_on_request(demo, capsys):
+    params = demo.node_parameters(demo.parse_args([]))
+    assert (params["control_rate_mode"], params["control_rate_hz"]) == ("adaptive", 4.0)
+    assert params["control_rate_min_hz"] == demo.MIN_CONTROL_RATE_HZ
+    assert demo.parse_args([]).settle_cycles == demo.SETTLE_CYCLES > 0
+    fixed = demo.node_parameters(demo.parse_args(["--rate", "fixed", "--control-rate", "1"]))
+    # the floor never exceeds the most asked for (the engine refuses min > max in adaptive mode)
+    assert (fixed["control_rate_mode"], fixed["control_rate_min_hz"]) == ("fixed", 1.0)
+    for argv, message in ((["--settle-cycles", "-1"], "--settle-cycles must be >= 0"),
+                          (["--min-control-rate", "0"], "--min-control-rate must be > 0 Hz")):
+        with pytest.raises(SystemExit) as exit_info:
+            demo.parse_args(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("seed", ["-1", str(2 ** 32)])

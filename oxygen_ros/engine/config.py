@@ -254,6 +254,10 @@ class SamplingConfig:
         _validate(self, "sampling.")
 
 
+# How the control rate is set (ActionTaskConfig.control_rate_mode; oxygen_ros/engine/rate.py).
+RATE_MODES = ("fixed", "adaptive")
+
+
 @dataclass(frozen=True)
 class ActionTaskConfig:
     """The action task: runs every control cycle with a hard deadline (its start plus the control
@@ -264,6 +268,22 @@ class ActionTaskConfig:
     control_rate_hz: float = knob(2.0, "control cycles (action chunks) per second; the deadline of a cycle "
                                   "is its start plus 1 / control_rate_hz", unit="Hz", low=0.0, low_open=True,
                                   high=1000.0)
+    control_rate_mode: str = knob("fixed", "fixed: every cycle at control_rate_hz; adaptive: the rate follows the "
+                                  "measured cycle cost between control_rate_min_hz and control_rate_hz "
+                                  "(oxygen_ros/engine/rate.py: down at once when the cycles' p90 cost x "
+                                  "control_rate_headroom exceeds the period or a cycle misses its deadline, up one "
+                                  "control_rate_step_hz after control_rate_window cycles that fit the faster rate)",
+                                  choices=RATE_MODES)
+    control_rate_min_hz: float = knob(1.0, "adaptive mode: the lowest control rate; the period must stay "
+                                      "shorter than a chunk's span (H x action_dt_s)", unit="Hz", low=0.0,
+                                      low_open=True, high=1000.0)
+    control_rate_step_hz: float = knob(0.5, "adaptive mode: the rates run are control_rate_min_hz plus "
+                                       "multiples of this (and control_rate_hz)", unit="Hz", low=0.0,
+                                       low_open=True, high=1000.0)
+    control_rate_headroom: float = knob(1.25, "adaptive mode: a rate fits when its period is at least the "
+                                        "cycles' p90 cost times this", low=1.0, high=100.0)
+    control_rate_window: int = knob(20, "adaptive mode: recent cycle costs the p90 is taken over, and cycles at "
+                                    "one rate before it may rise", low=2, high=100_000)
     num_denoise_steps: int = knob(10, "S: flow-matching Euler steps per action chunk (pi0.5 default 10)",
                                   low=1, high=100)
     noise_seed: int = knob(0, "the noise of observation seq is drawn from a torch.Generator seeded with "
@@ -285,6 +305,9 @@ class ActionTaskConfig:
             check_template(self.subtask_prompt_template, "action.subtask_prompt_template", ("subtask",),
                            ("instruction", "subtask"))
         _validate(self, "action.")
+        if self.control_rate_mode == "adaptive" and self.control_rate_min_hz > self.control_rate_hz:
+            raise ValueError(f"action.control_rate_min_hz ({self.control_rate_min_hz:g} Hz) must not exceed "
+                             f"action.control_rate_hz ({self.control_rate_hz:g} Hz) in adaptive mode")
 
     @property
     def control_period_s(self) -> float:

@@ -1,5 +1,6 @@
-"""The control-cycle thread of ``oxygen_node``: at ``control_rate_hz`` (wall clock) it checks that a cycle
-can run (an instruction, the node clock started and not paused, joint limits, a fresh observation: else the
+"""The control-cycle thread of ``oxygen_node``: at the control rate (wall clock: ``control_rate_hz``, or in
+``control_rate_mode`` adaptive the rate the measured cycle cost allows, ``oxygen_ros/engine/rate.py``) it
+checks that a cycle can run (an instruction, the node clock started and not paused, joint limits, a fresh observation: else the
 cycle is skipped with the reason), runs one engine cycle, hands the action chunk to the action output as
 soon as it is ready and the language events of the cycle to the language output, and records the cycle for
 ~/status. A cycle that raises is counted and logged; the thread goes on.
@@ -17,6 +18,7 @@ from builtin_interfaces.msg import Time
 
 from oxygen_ros.engine import RequestStatus
 from oxygen_ros.engine.engine import RobotEngine
+from oxygen_ros.engine.rate import ControlRate
 from oxygen_ros.node.action_output import ActionOutput
 from oxygen_ros.node.diagnostics import StatusTracker
 from oxygen_ros.node.inputs import DropCounter, InputStore, is_blank
@@ -79,9 +81,15 @@ class ControlCycle:
         self._thread: threading.Thread | None = None
         self._last_cycle_clock: tuple[float, int] | None = None
         self._seq = 0    # observations since configure
+        self.rate = self._new_rate()
+
+    def _new_rate(self) -> ControlRate:
+        engine_config = self._settings.engine
+        return ControlRate(engine_config.action, engine_config.min_decode_steps_per_cycle)
 
     def start(self) -> None:
-        """Start the control-cycle thread."""
+        """Start the control-cycle thread (an adaptive control rate starts again at ``control_rate_hz``)."""
+        self.rate = self._new_rate()
         self._last_cycle_clock = None
         self._stop.clear()
         self._thread = threading.Thread(target=self._run_cycles, name="oxygen_control_cycle", daemon=True)
@@ -106,10 +114,9 @@ class ControlCycle:
         self._thread = None
 
     def _run_cycles(self) -> None:
-        period = self._settings.control_period_s
         next_start = time.perf_counter()
         while not self._stop.is_set():
-            deadline = next_start + period
+            deadline = next_start + self.rate.period_s
             try:
                 self._run_one_cycle(deadline)
             except Exception as error:  # one failed cycle must not end the node; it is counted and logged
@@ -181,6 +188,10 @@ class ControlCycle:
             engine.observe_delay(max(0.0, self._now()[1] - chunk.stamp))
 
         result = engine.run_cycle(ready.observation, deadline, on_action=on_action)
+        change = self.rate.observe(result.record)
+        if change is not None:
+            log = self._node.get_logger()
+            (log.warning if change.to_hz < change.from_hz else log.info)(change.describe(self.rate.headroom))
         dropped = sum(1 for e in result.text_events if e.final and e.status == RequestStatus.DROPPED)
         self._language.publish(result.text_events)
         active = engine.active_requests

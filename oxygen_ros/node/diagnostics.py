@@ -232,7 +232,8 @@ def inactive_topic_status(name: str, hardware_id: str, lifecycle_state: str) -> 
 def engine_status_msg(w: StatusWindow, stamp: Time, horizon: int, dropped_frames: int, pool_used_bytes: int,
                       pool_capacity_bytes: int, camera_clock_offset: float | None = None,
                       incompatible_qos: int = 0, dropped_joint_states: int = 0,
-                      dropped_instructions: int = 0) -> EngineStatus:
+                      dropped_instructions: int = 0, control_rate_hz: float = 0.0,
+                      control_rate_changes: int = 0) -> EngineStatus:
     """``oxygen_ros/EngineStatus`` of one status window (see msg/EngineStatus.msg for units).
 
     Args:
@@ -241,6 +242,8 @@ def engine_status_msg(w: StatusWindow, stamp: Time, horizon: int, dropped_frames
         incompatible_qos: incompatible-QoS events on the node's endpoints since configure.
         dropped_frames, dropped_joint_states, dropped_instructions: drops since activation per input kind
             (camera frames only in ``dropped_frames``).
+        control_rate_hz, control_rate_changes: the control rate now [Hz] and its changes since activation
+            (``oxygen_ros/engine/rate.py``).
     """
     msg = EngineStatus()
     msg.header.stamp = stamp
@@ -267,6 +270,8 @@ def engine_status_msg(w: StatusWindow, stamp: Time, horizon: int, dropped_frames
         setattr(msg, event, w.events_total.get(event, 0))
     msg.camera_clock_offset = 0.0 if camera_clock_offset is None else float(camera_clock_offset)
     msg.incompatible_qos = incompatible_qos
+    msg.control_rate = float(control_rate_hz)
+    msg.control_rate_changes = control_rate_changes
     return msg
 
 

@@ -19,7 +19,8 @@ from any state, does what deactivate and cleanup do. With ``autostart`` (default
 configure → activate itself.
 
 Threads: subscription callbacks (executor) only convert and store the latest inputs; one control-cycle
-thread runs the engine at ``control_rate_hz`` (wall clock), and publishes the action chunk as soon as it
+thread runs the engine at the control rate (wall clock: ``control_rate_hz``, or what the cycle cost allows in
+adaptive ``control_rate_mode``), and publishes the action chunk as soon as it
 is ready, then the speech and memory outputs of the language work done in the cycle's slack. The
 executor never waits for inference. Lifecycle state queries and the parameter services (reads and changes) are
 in a callback group of their own, and so are the ask / command services (oxygen_ros/node/commands.py): the
@@ -256,7 +257,21 @@ class OxygenNode(ManagedNode):
             f"configured {settings.model_id} in {time.perf_counter() - start:.1f} s (warm-up cycle "
             f"{warm_s:.2f} s): KV pool "
             f"{pool.num_blocks} pages x {pool.bytes_per_block} B, cameras "
-            f"{[c.slot for c in settings.cameras]}, control rate {settings.control_rate_hz:g} Hz")
+            f"{[c.slot for c in settings.cameras]}, control rate {self._describe_rate(settings)}")
+
+    @property
+    def control_rate(self):
+        """The :class:`~oxygen_ros.engine.rate.ControlRate` of the current configuration's control cycles (its
+        rate now, and in adaptive mode its changes), or None while unconfigured."""
+        cycle = self._cycle
+        return cycle.rate if cycle is not None else None
+
+    @staticmethod
+    def _describe_rate(settings: NodeSettings) -> str:
+        action = settings.engine.action
+        if action.control_rate_mode == "adaptive":
+            return f"adaptive {action.control_rate_min_hz:g}-{action.control_rate_hz:g} Hz"
+        return f"{action.control_rate_hz:g} Hz"
 
     def _conflict_policy(self) -> str:
         return self.get_parameter("command_conflict_policy").value
@@ -443,6 +458,8 @@ class OxygenNode(ManagedNode):
         if engine is None:
             return
         now_msg, now_s = self._now()
+        cycle = self._cycle      # read once: cleanup may clear it on the transition worker
+        rate_hz = cycle.rate.hz if cycle is not None else settings.control_rate_hz
         status = window = None
         qos_total = self._qos_events.total()
         if self._active:
@@ -453,7 +470,9 @@ class OxygenNode(ManagedNode):
                                        pool.used_bytes, pool.num_blocks * pool.bytes_per_block,
                                        self._stamps.largest_offset(), qos_total,
                                        dropped_joint_states=dropped["joint_states"],
-                                       dropped_instructions=dropped["instructions"])
+                                       dropped_instructions=dropped["instructions"],
+                                       control_rate_hz=rate_hz,
+                                       control_rate_changes=cycle.rate.change_count if cycle is not None else 0)
             self._topics.status.publish(status)
         # the period's figures: inputs received per second and drops since the previous publication
         wall = time.perf_counter()
@@ -467,7 +486,7 @@ class OxygenNode(ManagedNode):
         self._drops_reported = dict(drops)
         diagnostics = diagnostic_array(
             self.get_fully_qualified_name(), settings.model_id, self._lifecycle_state, status, window,
-            drops, inputs.frame_ages(now_s), settings.control_rate_hz,
+            drops, inputs.frame_ages(now_s), rate_hz,
             camera_offsets=self._stamps.offsets(),
             offset_warn_s=self.get_parameter("camera_clock_offset_warn_s").value,
             qos_events=self._qos_events.counts(), new_qos_events=qos_total - self._qos_reported,

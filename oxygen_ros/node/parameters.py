@@ -614,12 +614,19 @@ def settings_from_values(values: Mapping[str, Any], log: Callable[[str], None] |
             _choice(name, v[name], declaration.knob.choices)
     model_slots = tuple(sorted((c.slot for c in cameras), key=MODEL_CAMERA_SLOTS.index))
     engine = EngineConfig.from_dict(engine_mapping(v, conventions, model_slots))
+    action_dt_s = conventions.action_dt_s or DEFAULT_ACTION_DT_S
+    span_s = conventions.action_horizon * action_dt_s
+    if engine.action.control_rate_mode == "adaptive" and 1.0 / engine.action.control_rate_min_hz >= span_s:
+        raise ValueError(f"parameter control_rate_min_hz: {engine.action.control_rate_min_hz:g} Hz (a "
+                         f"{1.0 / engine.action.control_rate_min_hz:g} s period) would let the robot run out of "
+                         f"actions: a chunk spans {span_s:g} s (H {conventions.action_horizon} x action_dt_s "
+                         f"{action_dt_s:g} s); the slowest adaptive rate must be above {1.0 / span_s:g} Hz")
     return NodeSettings(
         preset=v["preset"], checkpoint=v["checkpoint"], allow_random_weights=bool(v["allow_random_weights"]),
         tokenizer_path=v["tokenizer_path"], norm_stats_path=v["norm_stats_path"], conventions=conventions,
         device=v["device"], dtype=v["dtype"], seed=int(v["seed"]),
         joint_names=joint_names, action_dim=action_dim,
-        action_dt_s=conventions.action_dt_s or DEFAULT_ACTION_DT_S, action_names=action_names, cameras=cameras,
+        action_dt_s=action_dt_s, action_names=action_names, cameras=cameras,
         instruction_topic=v["instruction_topic"],
         default_instruction=v["default_instruction"] or conventions.default_prompt or "",
         joint_states_topic=v["joint_states_topic"], joint_states_reliability=v["joint_states_reliability"],

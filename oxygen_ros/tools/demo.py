@@ -70,6 +70,8 @@ from oxygen_ros.tools.child_process import start_child, stop_child  # noqa: E402
 
 NODE_NAME = "oxygen_node"
 ACTION_DT_S = 0.02            # ALOHA's 50 Hz control: the time between a chunk's actions [s]
+SETTLE_CYCLES = 8             # cycles before the recording: first prefills, the adaptive rate's first adjustments
+MIN_CONTROL_RATE_HZ = 1.5     # the adaptive rate's floor: a chunk spans 1 s (H = 50 at 50 Hz)
 DEFAULT_SEED = 1000           # the cube's start pose: the first evaluation seed (the training data used 0..99)
 RANDOM_WEIGHTS = {"preset": "pi05_tiny", "checkpoint": "", "instruction": "pick up the red cube",
                   "language_prompt": "shared", "control_rate": 3.0, "speech_every": 3.0}
@@ -116,6 +118,8 @@ def node_parameters(args: argparse.Namespace) -> dict:
         "staleness_limit_s": args.staleness,
         "instruction_topic": "/instruction", "joint_states_topic": "/joint_states",
         "control_rate_hz": args.control_rate,
+        "control_rate_mode": args.rate,
+        "control_rate_min_hz": min(args.min_control_rate, args.control_rate),
         "speech.trigger.every_s": args.speech_every,
         "memory.trigger.every_s": args.memory_every,
     }
@@ -167,8 +171,8 @@ class DemoFollower(Node):
         self.create_timer(1.0, self.collect_cycles)
 
     def restart(self, ignore_seqs: set[int] = frozenset()) -> None:
-        """Count from zero again (the run starts after the rate calibration); the engine records of
-        ``ignore_seqs`` (the calibration's cycles, when the engine was kept) are not collected."""
+        """Count from zero again (the run starts after the settling cycles); the engine records of
+        ``ignore_seqs`` (the settling cycles) are not collected."""
         self.chunks = self.final_utterances = self.completed_utterances = self.memory_entries = 0
         self.first_chunk_time = None
         self.cycles = {}
@@ -210,51 +214,31 @@ def _start_robot(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
     return start_child(command, log_path)
 
 
-def calibrate_rate(args: argparse.Namespace, executor, oxygen, robot: subprocess.Popen, stop: threading.Event,
-                   deadline: float, log) -> tuple[demo_rate.RateChoice, set[int]]:
-    """Run the node at ``--control-rate`` until ``--calibration-cycles`` cycles (after the first
-    :data:`~oxygen_ros.tools.demo_rate.SKIPPED_CYCLES`) were measured, choose the rate from their cost
-    (:func:`oxygen_ros.tools.demo_rate.choose_rate`) and reconfigure the node to it when lower.
+def settle(args: argparse.Namespace, executor, oxygen, robot: subprocess.Popen, stop: threading.Event,
+           deadline: float, log) -> set[int]:
+    """Spin until the node has run ``--settle-cycles`` control cycles (one-time costs, and with the adaptive rate
+    its first adjustments to this machine's load, land there, not in the recording); returns their seqs.
 
-    Returns the choice and the seqs of the calibration's cycles still in the engine's records (empty
-    when the node was reconfigured: a new engine). Uncalibrated (the configured rate) when
-    ``--calibration-cycles`` is 0, or when a stop signal, the robot's exit, a failed autostart or
-    ``deadline`` (a ``time.monotonic()`` instant) came first: the caller's loop reports those.
-
-    Raises:
-        RuntimeError: the node refused the new rate or failed to come back (:meth:`ManagedNode.reconfigure`).
+    Returns early (with the cycles so far) when a stop signal, the robot's exit, a failed autostart or
+    ``deadline`` (a ``time.monotonic()`` instant) comes first: the caller's loop reports those.
     """
-    configured = args.control_rate
-    uncalibrated = demo_rate.RateChoice(configured, configured, calibrated=False)
-    if args.calibration_cycles == 0:
-        return uncalibrated, set()
-    wanted = demo_rate.SKIPPED_CYCLES + args.calibration_cycles
-    log.info(f"calibrating the control rate: {wanted} cycles at {configured:g} Hz, the first "
-             f"{demo_rate.SKIPPED_CYCLES} not measured (--calibration-cycles 0: no calibration)")
-    records: list[dict] = []
-    engine = None
+    seqs: set[int] = set()
+    if args.settle_cycles == 0:
+        return seqs
+    log.info(f"settling: {args.settle_cycles} control cycles before the recording starts (control rate "
+             f"{'adaptive, at most' if args.rate == 'adaptive' else 'fixed at'} {args.control_rate:g} Hz)")
     while not stop.is_set() and robot.poll() is None and oxygen.autostart_failed is None \
             and time.monotonic() < deadline:
         executor.spin_once(timeout_sec=0.1)
         engine = oxygen.engine
         if engine is not None:
-            records = sorted((asdict(r) for r in list(engine.metrics_records.cycles)), key=lambda r: r["seq"])
-            if len(records) >= wanted:
+            seqs = {record.seq for record in list(engine.metrics_records.cycles)}
+            if len(seqs) >= args.settle_cycles:
                 break
-    else:
-        log.warning(f"rate calibration ended after {len(records)} of {wanted} cycles; running at {configured:g} Hz")
-        return uncalibrated, set()
-    costs = demo_rate.measured_costs(records[:wanted], engine.config.min_decode_steps_per_cycle)
-    choice = demo_rate.choose_rate(costs, configured)
-    seqs = {r["seq"] for r in list(map(asdict, engine.metrics_records.cycles))}
-    log.info(f"control rate {choice.describe()}")
-    if choice.chosen_hz < configured:
-        changes = {"control_rate_hz": choice.chosen_hz}
-        if args.rtc == "on":        # the guided overlap follows the steps between chunks at the new rate
-            changes.update(demo_rtc_parameters(args, choice.chosen_hz))
-        oxygen.reconfigure(changes)
-        seqs = set()
-    return choice, seqs
+    rate = oxygen.control_rate
+    if rate is not None:
+        log.info(f"settled after {len(seqs)} cycles at {rate.hz:g} Hz")
+    return seqs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -294,12 +278,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="action chunks per second [Hz] (default 4; 3 with --random-weights)")
     parser.add_argument("--rtc", choices=("on", "off"), default="on",
                         help="real-time chunking: each chunk continues the one the robot executes (default on)")
-    parser.add_argument("--calibration-cycles", type=int, default=demo_rate.CALIBRATION_CYCLES, metavar="N",
-                        help="before the run, measure N control cycles at --control-rate (with the robot "
-                             "rendering beside the node) and run at the highest rate, in steps of "
-                             f"{demo_rate.STEP_HZ:g} Hz, whose period is {demo_rate.HEADROOM:g}x their "
-                             f"p{100 * demo_rate.QUANTILE:g} cost, never above --control-rate (default "
-                             f"{demo_rate.CALIBRATION_CYCLES}; 0: run at --control-rate)")
+    parser.add_argument("--rate", choices=("adaptive", "fixed"), default="adaptive",
+                        help="adaptive (default): the node's control rate follows the measured cycle cost between "
+                             "--min-control-rate and --control-rate (control_rate_mode adaptive, "
+                             "oxygen_ros/engine/rate.py); fixed: always --control-rate")
+    parser.add_argument("--min-control-rate", type=float, default=MIN_CONTROL_RATE_HZ,
+                        help="adaptive: the slowest control rate [Hz] (default %(default)g; above 1 / a chunk's "
+                             "span of H x 20 ms)")
+    parser.add_argument("--settle-cycles", type=int, default=SETTLE_CYCLES, metavar="N",
+                        help="control cycles run before the recording (and the summary) starts (default "
+                             "%(default)s)")
     parser.add_argument("--camera-rate", type=float, default=None,
                         help="images per second per camera [Hz] (default: 3 / the number of cameras the policy "
                              "sees: 1 for three cameras)")
@@ -317,8 +305,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("duration", "startup_timeout", "max_duration"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0 s, got {getattr(args, name)}")
-    if args.calibration_cycles < 0:
-        parser.error(f"--calibration-cycles must be >= 0, got {args.calibration_cycles}")
+    if args.settle_cycles < 0:
+        parser.error(f"--settle-cycles must be >= 0, got {args.settle_cycles}")
+    if not args.min_control_rate > 0:
+        parser.error(f"--min-control-rate must be > 0 Hz, got {args.min_control_rate}")
     if args.control_rate is not None and not args.control_rate > 0:
         parser.error(f"--control-rate must be > 0 Hz, got {args.control_rate}")
     problem = demo_data.seed_range_problem("--seed", args.seed, 1)    # checked here, not in the robot's process
@@ -361,11 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     params = node_parameters(args)
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    def write_params() -> None:
-        (run_dir / "oxygen_node_params.yaml").write_text(
-            yaml.safe_dump({f"/**/{NODE_NAME}": {"ros__parameters": params}}, sort_keys=False))   # any namespace
-
-    write_params()
+    (run_dir / "oxygen_node_params.yaml").write_text(
+        yaml.safe_dump({f"/**/{NODE_NAME}": {"ros__parameters": params}}, sort_keys=False))   # any namespace
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -389,18 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         log = follower.get_logger()
         log.info(f"run directory {run_dir}; robot log {run_dir / 'sim_robot.log'}")
         startup_deadline = time.monotonic() + args.startup_timeout
-        choice, calibration_seqs = calibrate_rate(args, executor, oxygen, robot, stop, startup_deadline, log)
-        (run_dir / "control_rate.json").write_text(json.dumps(choice.as_dict(), indent=2))
-        if choice.chosen_hz != params["control_rate_hz"]:
-            params["control_rate_hz"] = choice.chosen_hz
-            write_params()
-        follower.restart(calibration_seqs)
-        # The recording (and the summary read from it) starts at the rate the run keeps.
+        follower.restart(settle(args, executor, oxygen, robot, stop, startup_deadline, log))
+        # The recording (and the summary read from it) starts after the settling cycles.
         recorder = BagRecorder(run_dir / "bag", context=context)
         nodes.insert(0, recorder)     # destroyed last
         executor.add_node(recorder)
-        if choice.calibrated:       # the first chunk of the run is due anew (after a reconfigure: its configure)
-            startup_deadline = time.monotonic() + args.startup_timeout
         next_progress = time.monotonic() + 10.0
         while not stop.is_set():
             executor.spin_once(timeout_sec=0.1)
@@ -430,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
         follower.collect_cycles()
     finally:
         stop_child(robot)
+        rate = oxygen.control_rate if oxygen is not None else None
+        if rate is not None:      # the rates run (the summary joins them with the recorded cycles)
+            (run_dir / "control_rate.json").write_text(json.dumps(demo_rate.rate_log(rate), indent=2))
         # Order matters: no thread may still be inside native code (torch, rclpy) when the interpreter
         # tears down, or the process aborts with "terminate called without an active exception". The
         # control-cycle thread (a daemon) was found still inside a torch op at teardown in the aborted

@@ -1,126 +1,65 @@
-"""The demo's control rate, chosen from the cycle cost measured at start (``make demo``, docs/demo.md).
+"""The demo's control rate in its summary (``make demo``, docs/demo.md): which rates the recorded cycles ran at.
 
-On a shared 2-core CPU the node's cycle (encode, prefill, denoise, the language prefills due, the
-scheduler's guaranteed decode steps) can cost more than the configured period, and every cycle then ends
-past its deadline. So the demo first runs ``--calibration-cycles`` cycles at the configured rate with the
-simulator rendering beside the node, takes a high quantile of their cost, and runs at the highest rate on a
-``step_hz`` grid whose period is at least that cost times a headroom, never above the configured rate.
+The demo runs the node with ``control_rate_mode: adaptive`` (``oxygen_ros/engine/rate.py``): the rate starts at
+``--control-rate`` and follows the measured cycle cost during the run. At its end the demo writes the node's
+rate changes to ``control_rate.json`` (:func:`rate_log`); the summary (``tools/report.py``) joins them with the
+recorded cycles' ``seq`` (:func:`cycle_rates`) and prints one line (:func:`describe_rates`): the rates run,
+the cycles at each and how many of them missed their deadline.
 
-Pure functions of the engine's per-cycle records (``CycleRecord`` as dicts), no ROS: tested without
-timing.
+Pure functions of plain dicts (what the JSON files hold), no ROS: tested without timing.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+from collections import Counter
 from typing import Iterable, Mapping, Sequence
 
-import numpy as np
-
-CALIBRATION_CYCLES = 16    # measured cycles (at 4 Hz about 4-6 s: several speech and memory requests among them)
-SKIPPED_CYCLES = 2         # the first cycles after activation (first prefills, page faults) are not measured
-HEADROOM = 1.5             # period >= cost x headroom: renders landing on a cycle, the machine's other load
-QUANTILE = 0.9             # of the measured cycle costs
-STEP_HZ = 0.5              # rates are multiples of this (0.5, 1, 1.5, ... Hz)
+from oxygen_ros.engine.rate import ControlRate
 
 
-def cycle_cost_s(record: Mapping, min_decode_steps: int = 1) -> float:
-    """What one control cycle costs without the decode steps it took only because there was slack [s].
-
-    The deadline scheduler fills a cycle's slack with decode steps, so a cycle's wall time grows with the
-    period; the cost that sets the period is the rest (``frame_latency_s - decode_s``: observation,
-    encode, prefills, denoise, bookkeeping) plus the ``min_decode_steps`` steps it takes even without slack
-    (``min_decode_steps_per_cycle``), at this cycle's mean step cost.
-
-    Args:
-        record: a ``CycleRecord`` as a dict (``frame_latency_s``, ``decode_s``, ``decode_steps`` in s / steps).
-        min_decode_steps: the engine's ``min_decode_steps_per_cycle`` (>= 0).
-
-    Raises:
-        ValueError: a negative or non-finite time, or ``min_decode_steps`` < 0.
-    """
-    if min_decode_steps < 0:
-        raise ValueError(f"min_decode_steps must be >= 0, got {min_decode_steps}")
-    frame, decode, steps = float(record["frame_latency_s"]), float(record["decode_s"]), int(record["decode_steps"])
-    if not (math.isfinite(frame) and math.isfinite(decode)) or frame < 0 or decode < 0:
-        raise ValueError(f"cycle times must be finite and >= 0, got frame {frame}, decode {decode}")
-    step = decode / steps if steps > 0 else 0.0
-    return max(0.0, frame - decode) + min(min_decode_steps, steps) * step
+def rate_log(rate: ControlRate) -> dict:
+    """``control_rate.json`` of a node's :class:`ControlRate`: ``mode`` (fixed / adaptive), ``max_hz``,
+    ``min_hz``, ``headroom``, ``window`` and ``changes`` (each :class:`~oxygen_ros.engine.rate.RateChange` as a
+    dict, oldest first; the newest :data:`~oxygen_ros.engine.rate.CHANGES_KEPT`)."""
+    return {"mode": "adaptive" if rate.adaptive else "fixed", "max_hz": rate.max_hz, "min_hz": rate.min_hz,
+            "headroom": rate.headroom, "window": rate.window,
+            "changes": [change.as_dict() for change in rate.changes]}
 
 
-@dataclass(frozen=True)
-class RateChoice:
-    """The control rate the demo runs at and how it was chosen (``control_rate.json`` in the run directory).
-
-    Attributes:
-        configured_hz: the rate asked for (``--control-rate``).
-        chosen_hz: the rate run.
-        calibrated: False when calibration was off or did not finish (then ``chosen_hz == configured_hz``).
-        cycles: cycles measured.
-        cost_s: the ``quantile`` of their cost [s] (None when not calibrated).
-        quantile, headroom, step_hz: the rule's settings.
-    """
-
-    configured_hz: float
-    chosen_hz: float
-    calibrated: bool
-    cycles: int = 0
-    cost_s: float | None = None
-    quantile: float = QUANTILE
-    headroom: float = HEADROOM
-    step_hz: float = STEP_HZ
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def describe(self) -> str:
-        """One line for the summary, e.g. ``2.5 Hz (chosen from 16 calibration cycles: p90 cost 250 ms x 1.5
-        headroom; asked 4 Hz)``."""
-        if not self.calibrated:
-            return f"{self.chosen_hz:g} Hz (as configured; no calibration)"
-        return (f"{self.chosen_hz:g} Hz (chosen from {self.cycles} calibration cycles: p{100 * self.quantile:g} "
-                f"cost {1e3 * self.cost_s:.0f} ms x {self.headroom:g} headroom; asked {self.configured_hz:g} Hz)")
+def cycle_rates(log: Mapping, seqs: Sequence[int]) -> list[float]:
+    """The rate [Hz] each cycle of ``seqs`` ran at: the ``to_hz`` of the last change decided by an earlier
+    cycle (a change applies from the cycle after the one whose measurement decided it), else ``max_hz`` (the
+    rate at the start). Raises KeyError for a log without ``max_hz``."""
+    changes = sorted(log.get("changes", []), key=lambda c: c["seq"])
+    rates = []
+    for seq in seqs:
+        hz = log["max_hz"]
+        for change in changes:
+            if change["seq"] >= seq:
+                break
+            hz = change["to_hz"]
+        rates.append(float(hz))
+    return rates
 
 
-def choose_rate(costs_s: Sequence[float], configured_hz: float, quantile: float = QUANTILE,
-                headroom: float = HEADROOM, step_hz: float = STEP_HZ) -> RateChoice:
-    """The highest multiple of ``step_hz`` whose period is at least ``headroom`` x the ``quantile`` of
-    ``costs_s``, capped at ``configured_hz``; at least ``step_hz`` (or ``configured_hz`` if lower) when
-    even that period is too short (the demo then runs overloaded, and says so through its misses).
-
-    Raises:
-        ValueError: no cost, a negative or non-finite cost, ``configured_hz`` or ``step_hz`` not > 0,
-            ``headroom`` < 1, ``quantile`` outside (0, 1].
-    """
-    if not costs_s:
-        raise ValueError("no cycle cost measured")
-    costs = np.asarray(costs_s, dtype=np.float64)
-    if not np.all(np.isfinite(costs)) or np.any(costs < 0):
-        raise ValueError(f"cycle costs must be finite and >= 0, got {list(costs_s)}")
-    if not (configured_hz > 0 and step_hz > 0):
-        raise ValueError(f"configured_hz and step_hz must be > 0, got {configured_hz}, {step_hz}")
-    if not headroom >= 1.0:
-        raise ValueError(f"headroom must be >= 1, got {headroom}")
-    if not 0.0 < quantile <= 1.0:
-        raise ValueError(f"quantile must be in (0, 1], got {quantile}")
-    cost = float(np.quantile(costs, quantile))
-    fits_hz = math.inf if cost == 0 else 1.0 / (cost * headroom)
-    # A small tolerance so that a rate exactly on the grid is not lost to floating point.
-    on_grid = math.floor(fits_hz / step_hz + 1e-9) * step_hz if math.isfinite(fits_hz) else math.inf
-    chosen = min(configured_hz, max(on_grid, step_hz))
-    return RateChoice(configured_hz=configured_hz, chosen_hz=chosen, calibrated=True, cycles=len(costs),
-                      cost_s=cost, quantile=quantile, headroom=headroom, step_hz=step_hz)
-
-
-def measured_costs(records: Iterable[Mapping], min_decode_steps: int = 1,
-                   skip: int = SKIPPED_CYCLES) -> list[float]:
-    """:func:`cycle_cost_s` of ``records`` in seq order, the first ``skip`` left out."""
-    ordered = sorted(records, key=lambda r: r["seq"])
-    return [cycle_cost_s(r, min_decode_steps) for r in ordered[skip:]]
-
-
-def deadline_misses(records: Iterable[Mapping]) -> tuple[int, int]:
-    """``(cycles past their deadline, cycles)`` of the records."""
-    records = list(records)
-    return sum(bool(r["deadline_missed"]) for r in records), len(records)
+def describe_rates(log: Mapping, cycles: Iterable[Mapping]) -> str:
+    """The summary's control-rate line for the recorded ``cycles`` (``CycleRecord`` dicts: ``seq``,
+    ``deadline_missed``), e.g. ``adaptive 1.5-4 Hz: 3 Hz in 120 of 180 cycles (2 late), 3.5 Hz in 60 (0 late);
+    2 changes (1 down, 1 up)``; ``4 Hz (fixed)``; the rate alone for a log written by another version."""
+    cycles = sorted(cycles, key=lambda c: c["seq"])
+    if log.get("mode") == "fixed":
+        return f"{log['max_hz']:g} Hz (fixed)"
+    if "max_hz" not in log:
+        return f"{log.get('chosen_hz', 'n/a')} Hz"
+    head = f"adaptive {log['min_hz']:g}-{log['max_hz']:g} Hz"
+    if not cycles:
+        return f"{head}: no cycle recorded"
+    first, last = cycles[0]["seq"], cycles[-1]["seq"]
+    changes = [c for c in log.get("changes", []) if first <= c["seq"] + 1 <= last]
+    rates = cycle_rates(log, [c["seq"] for c in cycles])
+    counts, late = Counter(rates), Counter(hz for hz, c in zip(rates, cycles) if c["deadline_missed"])
+    ranked = sorted(counts, key=lambda hz: (-counts[hz], -hz))
+    parts = [f"{hz:g} Hz in {counts[hz]}" + (f" of {len(cycles)} cycles" if i == 0 else "") + f" ({late[hz]} late)"
+             for i, hz in enumerate(ranked)]
+    down = sum(c["to_hz"] < c["from_hz"] for c in changes)
+    return f"{head}: {', '.join(parts)}; {len(changes)} changes ({down} down, {len(changes) - down} up)"

@@ -58,7 +58,7 @@ class RunData:
     statuses: list = field(default_factory=list)          # EngineStatus messages (rosbags objects)
     frames: dict[str, list[tuple[int, np.ndarray]]] = field(default_factory=dict)  # topic -> (stamp_ns, rgb)
     cycles: list[dict] = field(default_factory=list)      # engine CycleRecord dicts
-    control_rate: dict | None = None                      # control_rate.json: the rate run and how it was chosen
+    control_rate: dict | None = None                      # control_rate.json: the node's rate and its changes
     duration_s: float = 0.0
     topics: dict[str, int] = field(default_factory=dict)  # topic -> messages in the bag
 
@@ -237,6 +237,7 @@ def summarize(data: RunData) -> dict:
         "deadline_missed_pct": (100.0 * sum(bool(c["deadline_missed"]) for c in data.cycles) / len(data.cycles)
                                 if data.cycles else None),
         "control_rate": data.control_rate,
+        "control_rate_run": _describe_rates(data.control_rate, data.cycles) if data.control_rate else None,
         "dropped_frames": int(last.dropped_frames) if last else None,
         "dropped_requests": int(last.dropped_requests) if last else None,
         "kv_pool_peak_bytes": int(max(s.kv_pool_peak_bytes for s in data.statuses)) if last else None,
@@ -248,14 +249,11 @@ def summarize(data: RunData) -> dict:
     }
 
 
-def _describe_rate(rate: dict) -> str:
-    """The control-rate line of ``control_rate.json`` (:class:`oxygen_ros.tools.demo_rate.RateChoice`)."""
-    from oxygen_ros.tools.demo_rate import RateChoice
+def _describe_rates(log: dict, cycles: list[dict]) -> str:
+    """The control-rate line (``tools/demo_rate.py``; imported here, not at the top: it brings the engine)."""
+    from oxygen_ros.tools.demo_rate import describe_rates
 
-    try:
-        return RateChoice(**rate).describe()
-    except (TypeError, ValueError):      # written by another version: its rate alone
-        return f"{rate.get('chosen_hz', 'n/a')} Hz"
+    return describe_rates(log, cycles)
 
 
 def format_summary(summary: dict) -> str:
@@ -271,7 +269,7 @@ def format_summary(summary: dict) -> str:
     task = ("n/a (no /task_outcome in the bag)" if not outcome else
             " ".join(f"{phase} {'✓' if outcome.get(phase) else '✗'}" for phase in PHASES)
             + f"  (cube seed {outcome.get('seed')}, {num(outcome.get('sim_time_s'), '.1f')} s simulated)")
-    rate = summary.get("control_rate")
+    rate = summary.get("control_rate_run")
     if summary.get("deadline_missed_cycles") is not None:
         misses = (f"{summary['deadline_missed_cycles']} of {summary['cycles_recorded']} cycles "
                   f"({summary['deadline_missed_pct']:.1f} %)")
@@ -282,7 +280,7 @@ def format_summary(summary: dict) -> str:
         f"task               {task}",
     ]
     if rate:
-        lines.append(f"control rate       {_describe_rate(rate)}")
+        lines.append(f"control rate       {rate}")
     lines += [
         f"action chunks      {summary['action_chunks']} in {num(summary['active_span_s'], '.1f')} s: "
         f"{num(summary['action_chunks_per_s'])} chunks/s (H = {summary['action_horizon']}: "
