@@ -40,6 +40,30 @@ def test_compiled_denoise_matches_eager_for_any_prefix_length():
     assert not torch.allclose(compiled[0], compiled[1])
 
 
+@pytest.mark.slow
+def test_compiled_guided_denoise_matches_eager():
+    """Real-time chunking's guided steps (autograd through the velocity) through their own compiled graph:
+    the same chunk as the eager guided loop, and not the plain one (the guidance acts)."""
+    from oxygen_ros.models.rtc import RTCGuidance, prefix_weights
+
+    model = load_model("pi05_tiny", dtype="float32", device="cpu")
+    model.enable_cpu_compile(False)
+    kv, noise = _prefix(model, 40, 3)
+    c = model.config
+    target = torch.randn(1, c.action_horizon, c.action_dim, generator=torch.Generator().manual_seed(7))
+    guidance = RTCGuidance(target, prefix_weights(3, 8, c.action_horizon, "linear")[None], 10.0)
+    eager = model.denoise(kv.begin(None), noise, num_steps=4, guidance=guidance)
+    plain = model.denoise(kv.begin(None), noise, num_steps=4)
+    model.enable_cpu_compile(True)
+    assert model.warm_cpu_compile(guided=True) > 0.0
+    compiled = model.cpu_compile
+    assert compiled.guided_failed is None and list(compiled.guided_compile_seconds) == [(1, c.action_horizon)]
+    with torch._dynamo.config.patch(error_on_recompile=True):   # warmed: no compile inside the cycle
+        got = model.denoise(kv.begin(None), noise, num_steps=4, guidance=guidance)
+    torch.testing.assert_close(got, eager, atol=ATOL, rtol=RTOL)
+    assert not torch.allclose(got, plain, atol=1e-3)
+
+
 def test_failed_compile_runs_eagerly(monkeypatch, caplog):
     model = load_model("pi05_tiny", dtype="float32", device="cpu")
     kv, noise = _prefix(model, 20, 0)

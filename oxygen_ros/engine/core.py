@@ -51,7 +51,8 @@ class EngineCore:
                               config.block_size, config.kv_budget_bytes, dtype=model.dtype,
                               device=model.device)
         self.manager = KVCacheManager(self.pool)
-        self.runner = ModelRunner(model, processor, self.manager, config.cuda_graphs, config.cpu_compile)
+        self.runner = ModelRunner(model, processor, self.manager, config.cuda_graphs, config.cpu_compile,
+                                  guided=config.rtc.enabled)
         self.planner = PrefixPlanner(self.manager, self.runner, cfg.prompt_mask)
         self.estimator = StepCostEstimator(config.step_cost_quantile, config.step_cost_window)
         self.lock = threading.Lock()

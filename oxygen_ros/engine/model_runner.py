@@ -39,7 +39,7 @@ class RunnerModel(Protocol):
     """What the runner (and the engine) call on a π0.5 / π0 model (``oxygen_ros/models/vla.py``).
 
     Optional: ``enable_cuda_graphs(enabled)`` with ``cuda_graphs`` (None when off),
-    ``enable_cpu_compile(enabled)`` with ``cpu_compile`` (None when off) and ``warm_cpu_compile()``, and
+    ``enable_cpu_compile(enabled)`` with ``cpu_compile`` (None when off) and ``warm_cpu_compile(guided=)``, and
     ``prepare_cpu_kernels()``; the runner uses them when the model has them.
     """
 
@@ -106,10 +106,11 @@ class ModelRunner:
             it has them; the setting belongs to the model, so it holds for every runner that shares it.
         cpu_compile: on the CPU, switch the model's compiled denoising step on (True) or off (False) if it
             has one, and compile it now for a batch of one (a model setting too).
+        guided: real-time chunking is on: with ``cpu_compile``, the guided steps' graph is compiled now too.
     """
 
     def __init__(self, model: RunnerModel, io: ModelIO, manager: KVCacheManager, cuda_graphs: bool = True,
-                 cpu_compile: bool = False):
+                 cpu_compile: bool = False, guided: bool = False):
         self.model = model
         self.io = io
         self.manager = manager
@@ -127,7 +128,7 @@ class ModelRunner:
             if cpu_compile != (model.cpu_compile is not None):
                 model.enable_cpu_compile(cpu_compile)
             if cpu_compile:
-                model.warm_cpu_compile()
+                model.warm_cpu_compile(guided=guided)
 
     @torch.inference_mode()
     def encode(self, images: Sequence[np.ndarray], io: ModelIO | None = None) -> torch.Tensor:

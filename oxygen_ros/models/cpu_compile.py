@@ -42,6 +42,8 @@ RECOMPILE_LIMIT = 64
 # weights) and a C++ wrapper around the generated kernels instead of a Python one (fewer microseconds per
 # call; measured 1.61x vs 1.49x over eager on pi05_tiny, interleaved, docs/benchmarks.md).
 _OPTIONS = {"freezing": True, "cpp_wrapper": True}
+# The guided step's graph runs under autograd: no freezing (inductor freezes only inference graphs).
+_GUIDED_OPTIONS = {"cpp_wrapper": True}
 
 
 def cache_dir() -> Path:
@@ -51,51 +53,66 @@ def cache_dir() -> Path:
 
 
 class CompiledVelocity:
-    """A model's compiled Euler-step velocity and its bookkeeping.
+    """A model's compiled Euler-step velocity and its bookkeeping: one graph for plain steps (inference
+    mode, weights frozen) and one for steps guided by real-time chunking (``guided``: autograd runs through
+    it, so inductor compiles the step's forward and its backward, without freezing).
 
     Attributes:
-        compile_seconds: per shape ``(batch, horizon)``, the seconds of its first call (the compile).
-        failed: the error text when a compile failed (the model then runs eagerly), else None.
+        compile_seconds: per shape ``(batch, horizon)``, the seconds of the plain graph's first call (the
+            compile).
+        guided_compile_seconds: the same for the guided graph.
+        failed: the error text when the plain compile failed (plain steps then run eagerly), else None.
+        guided_failed: the same for the guided graph (guided steps then run eagerly).
     """
 
     def __init__(self) -> None:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(DEFAULT_CACHE_DIR))
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
-        self._compiled: Callable | None = None
+        self._compiled: dict[bool, Callable] = {}
         self.compile_seconds: dict[tuple[int, int], float] = {}
+        self.guided_compile_seconds: dict[tuple[int, int], float] = {}
         self.failed: str | None = None
+        self.guided_failed: str | None = None
 
-    def velocity(self, model) -> Callable:
+    def velocity(self, model, guided: bool = False) -> Callable:
         """A callable with :meth:`oxygen_ros.models.vla.VLAModel._velocity`'s signature and results that
-        runs the compiled graph (``model._velocity`` itself after a failed compile)."""
-        if self.failed is not None:
+        runs the compiled graph (``model._velocity`` itself after a failed compile). ``guided``: the graph
+        for steps whose velocity autograd differentiates (real-time chunking's vector-Jacobian product)."""
+        if (self.guided_failed if guided else self.failed) is not None:
             return model._velocity
+        seconds = self.guided_compile_seconds if guided else self.compile_seconds
+        what = "guided denoising step" if guided else "denoising step"
 
         def call(x, cond, keys, values, mask, cos, sin):
             # The prefix length may change from call to call: one graph for all of them.
             for tensor in (*keys, *values):
                 torch._dynamo.mark_dynamic(tensor, 1)
             torch._dynamo.mark_dynamic(mask, 2)
-            if torch.is_inference_mode_enabled() and not x.is_inference():
+            if not guided and torch.is_inference_mode_enabled() and not x.is_inference():
                 # The noise of the first step comes from outside inference mode, the later steps' x
                 # from inside: one kind of tensor, so that both take the same graph.
                 x = x.clone()
             shape = (x.shape[0], x.shape[1])
-            if shape in self.compile_seconds:
-                return self._compiled(x, cond, keys, values, mask, cos, sin)
+            if shape in seconds:
+                return self._compiled[guided](x, cond, keys, values, mask, cos, sin)
             start = time.perf_counter()
             try:
-                if self._compiled is None:
-                    self._compiled = torch.compile(model._velocity, dynamic=False, fullgraph=True, options=_OPTIONS)
-                out = self._compiled(x, cond, keys, values, mask, cos, sin)
+                if guided not in self._compiled:
+                    self._compiled[guided] = torch.compile(model._velocity, dynamic=False, fullgraph=True,
+                                                           options=_GUIDED_OPTIONS if guided else _OPTIONS)
+                out = self._compiled[guided](x, cond, keys, values, mask, cos, sin)
             except Exception as error:  # noqa: BLE001 - any compiler failure: log once, run eagerly
-                self.failed = f"{type(error).__name__}: {error}".splitlines()[0]
-                _LOG.warning("compiling the denoising step failed, running it eagerly: %s", self.failed)
+                text = f"{type(error).__name__}: {error}".splitlines()[0]
+                if guided:
+                    self.guided_failed = text
+                else:
+                    self.failed = text
+                _LOG.warning("compiling the %s failed, running it eagerly: %s", what, text)
                 return model._velocity(x, cond, keys, values, mask, cos, sin)
-            self.compile_seconds[shape] = time.perf_counter() - start
-            _LOG.info("compiled the denoising step for batch %d, horizon %d in %.1f s (cache %s)",
-                      shape[0], shape[1], self.compile_seconds[shape], cache_dir())
+            seconds[shape] = time.perf_counter() - start
+            _LOG.info("compiled the %s for batch %d, horizon %d in %.1f s (cache %s)",
+                      what, shape[0], shape[1], seconds[shape], cache_dir())
             return out
 
         return call

@@ -233,9 +233,11 @@ class VLAModel(nn.Module):
         return self._cpu_compile
 
     @torch.inference_mode()
-    def warm_cpu_compile(self, batch: int = 1, horizon: int | None = None, prefix_len: int = 64) -> float:
+    def warm_cpu_compile(self, batch: int = 1, horizon: int | None = None, prefix_len: int = 64,
+                         guided: bool = False) -> float:
         """Compile the denoising step for ``batch`` x ``horizon`` now (a denoise of one step over a
-        zero prefix of ``prefix_len`` tokens), instead of at the first control cycle; a no-op when
+        zero prefix of ``prefix_len`` tokens), instead of at the first control cycle; with ``guided`` also
+        the graph of real-time chunking's guided steps (one guided step). A no-op when
         :meth:`enable_cpu_compile` is off or the model is not fp32 on the CPU.
 
         Returns:
@@ -249,8 +251,12 @@ class VLAModel(nn.Module):
         if min(batch, horizon, prefix_len) < 1:
             raise ValueError(f"batch, horizon and prefix_len must be >= 1, got {batch}, {horizon}, {prefix_len}")
         compiled = self._cpu_compile
-        if compiled is None or self.device.type != "cpu" or self.dtype != torch.float32 \
-                or (batch, horizon) in compiled.compile_seconds:
+        if compiled is None or self.device.type != "cpu" or self.dtype != torch.float32:
+            return 0.0
+        shape = (batch, horizon)
+        plain_due = shape not in compiled.compile_seconds and compiled.failed is None
+        guided_due = guided and shape not in compiled.guided_compile_seconds and compiled.guided_failed is None
+        if not (plain_due or guided_due):
             return 0.0
         start = time.perf_counter()
         kv = [torch.zeros(batch, prefix_len, c.num_kv_heads, c.head_dim, dtype=self.dtype)
@@ -260,7 +266,12 @@ class VLAModel(nn.Module):
         noise = torch.zeros(batch, horizon, c.action_dim)
         state = torch.zeros(batch, c.action_dim, dtype=self.dtype) if c.variant == "pi0" else None
         with cpu_fast_paths.threads_for(batch * horizon, self.device):
-            self._denoise_loop(kv, list(kv), valid, lens, noise, 1, state)
+            if plain_due:
+                self._denoise_loop(kv, list(kv), valid, lens, noise, 1, state)
+            if guided_due:
+                guidance = RTCGuidance(torch.zeros(batch, horizon, c.action_dim),
+                                       torch.ones(batch, horizon), 1.0)
+                self._denoise_guided(kv, list(kv), valid, lens, noise, 1, state, guidance)
         return time.perf_counter() - start
 
     @property
@@ -634,8 +645,9 @@ class VLAModel(nn.Module):
         if guidance is not None:
             guidance.check(b, horizon, c.action_dim)
             if guidance.active:
-                return self._denoise_guided(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state,
-                                            guidance)
+                with cpu_fast_paths.threads_for(b * horizon, self.device):     # the plain loop's rule
+                    return self._denoise_guided(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps,
+                                                state, guidance)
         with cpu_fast_paths.threads_for(b * horizon, self.device):
             if self._graphed():
                 return self._denoise_graphed(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
@@ -730,14 +742,20 @@ class VLAModel(nn.Module):
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.dtype)
         conditioning = self._time_conditioning(times)
         velocity_fn = self._velocity
-        if guidance is None and self._cpu_compile is not None and self.device.type == "cpu" \
-                and self.dtype == torch.float32:
-            velocity_fn = self._cpu_compile.velocity(self)
+        if self._cpu_compile is not None and self.device.type == "cpu" and self.dtype == torch.float32:
+            velocity_fn = self._cpu_compile.velocity(self, guided=guidance is not None)
         # Eager: the mask wrapper, so that its layouts are built once per denoise; compiled: the tensor.
         step_mask = mask if velocity_fn == self._velocity else mask.mask
 
         def velocity_of(x: torch.Tensor, step: int) -> torch.Tensor:
-            return velocity_fn(x, self._step_conditioning(conditioning, step), keys, values, step_mask, cos, sin)
+            step_keys, step_values = keys, values
+            if guidance is not None:
+                # The step writes its action tokens' K/V into these buffers; the previous step's writes made
+                # them part of its (spent) autograd graph. Detached views: each step differentiates through
+                # its own writes only, and every step is the same graph (no gradient for the prefix).
+                step_keys, step_values = [k.detach() for k in keys], [v.detach() for v in values]
+            return velocity_fn(x, self._step_conditioning(conditioning, step), step_keys, step_values, step_mask,
+                               cos, sin)
 
         x = noise
         for step in range(steps):
