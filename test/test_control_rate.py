@@ -205,3 +205,19 @@ def test_an_adaptive_floor_the_chunks_cannot_cover_is_refused_at_configure():
         settings_from_values({**values, "control_rate_min_hz": 1.0})
     assert settings_from_values({**values, "control_rate_min_hz": 2.5}).engine.action.control_rate_min_hz == 2.5
     settings_from_values({**values, "control_rate_mode": "fixed", "control_rate_min_hz": 1.0})   # floor unused
+
+
+@pytest.mark.ros      # an rclpy logger
+def test_drops_and_rises_are_logged_through_one_rclpy_logger():
+    """rclpy refuses a second severity from one call site ("Logger severity cannot be changed between calls"):
+    a drop (warning) and a rise (info) logged one after the other must both go through, again and again."""
+    import rclpy.logging
+
+    from oxygen_ros.engine.rate import RateChange
+    from oxygen_ros.node.control_cycle import log_rate_change
+
+    logger = rclpy.logging.get_logger("test_control_rate")
+    down = RateChange(seq=5, from_hz=4.0, to_hz=2.5, cost_s=0.3, reason="cost_over_period")
+    up = RateChange(seq=25, from_hz=2.5, to_hz=3.0, cost_s=0.1, reason="cost_fits_faster")
+    for change in (down, up, down, up):
+        log_rate_change(logger, change, 1.25)

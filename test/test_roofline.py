@@ -128,9 +128,14 @@ def test_bad_arguments_are_refused():
 @pytest.mark.slow
 def test_the_bench_compares_the_compiled_denoising_step(capsys):
     result = roofline.main(["--cameras", "1", "--prompt-len", "4", "--num-denoise-steps", "2", "--batch", "2", "--rounds", "1",
-                            "--gemm-n", "64", "--stream-mib", "1", "--compiled"])
+                            "--gemm-n", "64", "--stream-mib", "1", "--compiled", "--guided"])
     names = [r["phase"] for r in result["phases"]]
     assert names == ["vision", "prefill", "denoise", "denoise [compiled]", "decode x1", "decode x2", "frame",
                      "frame [compiled]"]
     assert list(result["compile_seconds"]) == ["batch 1, horizon 10"]
-    assert "denoising step compiled for batch 1, horizon 10" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "denoising step compiled for batch 1, horizon 10" in out
+    # the guided loops (real-time chunking) eager and compiled: timed, not counted
+    assert list(result["timed_only"]) == ["denoise [guided]", "denoise [guided, compiled]"]
+    assert all(seconds > 0 for seconds in result["timed_only"].values())
+    assert "denoise [guided, compiled]" in out and "timed only" in out

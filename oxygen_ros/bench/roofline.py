@@ -69,6 +69,7 @@ import torch
 
 from oxygen_ros.bench.cpu_paths import cpu_kernel_choice, cpu_kernels
 from oxygen_ros.models import PRESETS, DenseKVCache, VLAConfig, cpu_fast_paths, get_preset, load_model, native
+from oxygen_ros.models.rtc import RTCGuidance, prefix_weights
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -283,11 +284,13 @@ def _machine() -> dict[str, object]:
 
 
 def build_phases(preset: str | VLAConfig, cameras: int, prompt_len: int, steps: int, batch: int,
-                 compiled: bool = False) -> dict[str, Callable[[], object]]:
+                 compiled: bool = False, guided: bool = False) -> dict[str, Callable[[], object]]:
     """Random-weight fp32 CPU model and inputs; a callable per phase of :func:`count_phases`, and with
     ``compiled`` also ``denoise [compiled]`` and ``frame [compiled]``: the same with the denoising step
     compiled (:meth:`oxygen_ros.models.vla.VLAModel.enable_cpu_compile`; compiled here, before any
-    timing, and switched off for the other phases)."""
+    timing, and switched off for the other phases). With ``guided`` also ``denoise [guided]`` (and
+    ``denoise [guided, compiled]``): the loop guided by real-time chunking toward a random chunk in flight, a
+    delay of H/5 actions and weights reaching 0 at 3H/4 (the demo's 10 and 38 of 50), β = 10."""
     model = load_model(preset, dtype="float32", device="cpu")
     c, dev = model.config, model.device
     gen = torch.Generator().manual_seed(0)
@@ -331,9 +334,20 @@ def build_phases(preset: str | VLAConfig, cameras: int, prompt_len: int, steps: 
 
     fns = {"vision": vision, "prefill": prefill, "denoise": denoise, "decode x1": decode_one,
            f"decode x{batch}": decode_batch, "frame": frame}
+    if guided:
+        horizon = c.action_horizon
+        guidance = RTCGuidance(torch.randn(1, horizon, c.action_dim, generator=gen),
+                               prefix_weights(horizon // 5, (3 * horizon) // 4, horizon, "linear")[None], 10.0)
+
+        def denoise_guided(kv=prefix_kv):
+            return model.denoise(kv.begin(None), noise, num_steps=steps, state=state, guidance=guidance)
+
+        fns["denoise [guided]"] = denoise_guided
     if compiled:
         model.enable_cpu_compile(True)
-        denoise()   # the compile, outside the timed rounds
+        denoise()   # the compiles, outside the timed rounds
+        if guided:
+            denoise_guided()
         compiled_step, model._cpu_compile = model._cpu_compile, None
 
         def with_compiled(fn: Callable[[], object]) -> Callable[[], object]:
@@ -347,6 +361,8 @@ def build_phases(preset: str | VLAConfig, cameras: int, prompt_len: int, steps: 
 
         fns["denoise [compiled]"] = with_compiled(denoise)
         fns["frame [compiled]"] = with_compiled(frame)
+        if guided:
+            fns["denoise [guided, compiled]"] = with_compiled(denoise_guided)
         fns["compile seconds"] = compiled_step.compile_seconds
     return fns
 
@@ -393,14 +409,16 @@ def measure(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, floa
 
 
 def run(preset: str, cameras: int, prompt_len: int, steps: int, batch: int, rounds: int, gemm_n: int,
-        stream_mib: float, torch_kernels: bool = False, compare: bool = False, compiled: bool = False) -> dict:
+        stream_mib: float, torch_kernels: bool = False, compare: bool = False, compiled: bool = False,
+        guided: bool = False) -> dict:
     """Ceilings and phases measured interleaved; the result dict that :func:`format_table` prints
-    and ``--out`` stores. Rates in FLOP/s and B/s, times in seconds."""
+    and ``--out`` stores. Rates in FLOP/s and B/s, times in seconds. The guided loops (``guided``) are timed
+    only (``timed_only``): their backward's work is not counted."""
     config = get_preset(preset)
     load_before = os.getloadavg()
     with cpu_kernel_choice(torch_kernels):
         paths = cpu_kernels("cpu", config, torch_kernels)
-        phases = build_phases(preset, cameras, prompt_len, steps, batch, compiled)
+        phases = build_phases(preset, cameras, prompt_len, steps, batch, compiled, guided)
         compile_seconds = phases.pop("compile seconds", {})
         gemms = gemm_ceiling_fns(gemm_n)
         streams = stream_ceiling_fns(stream_mib)
@@ -408,7 +426,7 @@ def run(preset: str, cameras: int, prompt_len: int, steps: int, batch: int, roun
                **{f"ceiling {k}": v[0] for k, v in streams.items()}}
         for name, fn in phases.items():
             fns[name] = fn
-            if compare and not name.endswith("[compiled]"):
+            if compare and not name.endswith("[compiled]") and "[guided" not in name:
                 fns[f"{name} [before]"] = _before(fn)
         times = measure(fns, rounds)
     gemm_rates = {k: v[1] / times[f"ceiling gemm {k}"] for k, v in gemms.items()}
@@ -439,7 +457,8 @@ def run(preset: str, cameras: int, prompt_len: int, steps: int, batch: int, roun
             "ceilings": {"gemm_n": gemm_n, "gemm_flop_per_s": gemm_rate, "gemm_flop_per_s_by_route": gemm_rates,
                          "stream_mib": stream_mib,
                          "stream_bytes_per_s": stream_rates, "balance_flop_per_byte": balance},
-            "phases": rows}
+            "phases": rows,
+            "timed_only": {name: times[name] for name in fns if "[guided" in name}}
 
 
 def format_table(result: dict) -> str:
@@ -466,6 +485,8 @@ def format_table(result: dict) -> str:
                      f"{r['intensity']:>8.1f}{r['flop_per_s'] / 1e9:>9.1f}{r['pct_gemm']:>7.1f}"
                      f"{r['bytes_per_s'] / 1e9:>7.1f}{r['pct_stream']:>8.1f}  {r['bound']:<10}"
                      f"{r['pct_attainable']:>6.1f}")
+    for name, seconds in result.get("timed_only", {}).items():
+        lines.append(f"{name:<21}{seconds * 1e3:>9.2f}  (timed only: the backward's work is not counted)")
     return "\n".join(lines)
 
 
@@ -487,6 +508,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compiled", action="store_true",
                         help="also run the denoising loop and the frame with the denoising step compiled "
                              "(torch.compile; the engine's cpu_compile), interleaved with the eager ones")
+    parser.add_argument("--guided", action="store_true",
+                        help="also time the denoising loop guided by real-time chunking (and, with --compiled, its "
+                             "compiled graph)")
     parser.add_argument("--out", default=None, help="also write the result as JSON here")
     args = parser.parse_args(argv)
     if min(args.cameras, args.prompt_len, args.num_denoise_steps, args.batch, args.rounds, args.gemm_n) < 1 \
@@ -497,7 +521,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     result = run(args.preset, args.cameras, args.prompt_len, args.num_denoise_steps, args.batch, args.rounds, args.gemm_n,
-                 args.stream_mib, args.torch_kernels, args.compare, args.compiled)
+                 args.stream_mib, args.torch_kernels, args.compare, args.compiled, args.guided)
     print(format_table(result))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

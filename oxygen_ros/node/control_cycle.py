@@ -18,7 +18,7 @@ from builtin_interfaces.msg import Time
 
 from oxygen_ros.engine import RequestStatus
 from oxygen_ros.engine.engine import RobotEngine
-from oxygen_ros.engine.rate import ControlRate
+from oxygen_ros.engine.rate import ControlRate, RateChange
 from oxygen_ros.node.action_output import ActionOutput
 from oxygen_ros.node.diagnostics import StatusTracker
 from oxygen_ros.node.inputs import DropCounter, InputStore, is_blank
@@ -49,6 +49,16 @@ def output_tag(output) -> ObservationTag:
     """The node's tag on an engine output (ActionChunk, TextEvent, MemoryEntry): the tag of the observation
     it came from, as the engine handed it back."""
     return _NO_OBSERVATION if output.tag is None else output.tag
+
+
+def log_rate_change(logger, change: RateChange, headroom: float) -> None:
+    """Log a change of the adaptive control rate: a drop as a warning, a rise at INFO (``logger``: an rclpy
+    logger; each severity has its own call site, which rclpy requires)."""
+    text = change.describe(headroom)
+    if change.to_hz < change.from_hz:
+        logger.warning(text)
+    else:
+        logger.info(text)
 
 
 class ControlCycle:
@@ -188,16 +198,15 @@ class ControlCycle:
             engine.observe_delay(max(0.0, self._now()[1] - chunk.stamp))
 
         result = engine.run_cycle(ready.observation, deadline, on_action=on_action)
-        change = self.rate.observe(result.record)
-        if change is not None:
-            log = self._node.get_logger()
-            (log.warning if change.to_hz < change.from_hz else log.info)(change.describe(self.rate.headroom))
         dropped = sum(1 for e in result.text_events if e.final and e.status == RequestStatus.DROPPED)
         self._language.publish(result.text_events)
         active = engine.active_requests
         self._status.record_cycle(result.record, dropped, engine.pool.used_bytes,
                                   sum(r.status == RequestStatus.RUNNING for r in active),
                                   sum(r.status == RequestStatus.WAITING for r in active))
+        change = self.rate.observe(result.record)     # after the outputs: the next cycle's period
+        if change is not None:
+            log_rate_change(self._node.get_logger(), change, self.rate.headroom)
 
     def _restart_waiting_requests(self, stamp_s: float) -> None:
         """After a backwards jump of time: waiting language requests triggered by an observation stamped
