@@ -62,6 +62,8 @@ def test_the_demo_runs_an_adaptive_rate_by_default_and_a_fixed_one_on_request(de
     assert (params["control_rate_mode"], params["control_rate_hz"]) == ("adaptive", 4.0)
     assert params["control_rate_min_hz"] == demo.MIN_CONTROL_RATE_HZ
     assert demo.parse_args([]).settle_cycles == demo.SETTLE_CYCLES > 0
+    # the untrained pi05_tiny's chunks span 0.2 s, shorter than any adaptive floor: a fixed rate, as asked
+    assert demo.node_parameters(demo.parse_args(["--random-weights"]))["control_rate_mode"] == "fixed"
     fixed = demo.node_parameters(demo.parse_args(["--rate", "fixed", "--control-rate", "1"]))
     # the floor never exceeds the most asked for (the engine refuses min > max in adaptive mode)
     assert (fixed["control_rate_mode"], fixed["control_rate_min_hz"]) == ("fixed", 1.0)

@@ -33,6 +33,11 @@ def test_short_demo_produces_chunks_speech_memory_and_a_readable_mcap(tmp_path):
     print(f"chunks/s {summary['action_chunks_per_s']}, speech completed {summary['speech_utterances_completed']}, "
           f"memory {summary['memory_entries']}, deadline misses {summary['deadline_misses']}")
     assert summary["action_chunks"] >= 5
+    # The adaptive control rate, and its line in the summary; no control cycle failed.
+    assert json.loads((run_dir / "control_rate.json").read_text())["mode"] == "adaptive"
+    assert summary["control_rate_run"].startswith("adaptive 1.5-4 Hz: ")
+    assert re.search(r"^control rate +adaptive 1\.5-4 Hz: ", proc.stdout, re.M), proc.stdout[-4000:]
+    assert "cycle_failed" not in proc.stdout + proc.stderr
     assert summary["action_horizon"] == 50            # the shipped pi05_demo policy's (1 s at 50 Hz)
     # >= 3 arrived live; the recorder may miss one still in flight when the run stops
     assert summary["speech_utterances_completed"] >= 2

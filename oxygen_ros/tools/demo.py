@@ -73,8 +73,9 @@ ACTION_DT_S = 0.02            # ALOHA's 50 Hz control: the time between a chunk'
 SETTLE_CYCLES = 8             # cycles before the recording: first prefills, the adaptive rate's first adjustments
 MIN_CONTROL_RATE_HZ = 1.5     # the adaptive rate's floor: a chunk spans 1 s (H = 50 at 50 Hz)
 DEFAULT_SEED = 1000           # the cube's start pose: the first evaluation seed (the training data used 0..99)
+# pi05_tiny's chunk spans 0.2 s (H = 10): no adaptive floor can stay under it, so its rate is fixed.
 RANDOM_WEIGHTS = {"preset": "pi05_tiny", "checkpoint": "", "instruction": "pick up the red cube",
-                  "language_prompt": "shared", "control_rate": 3.0, "speech_every": 3.0}
+                  "language_prompt": "shared", "control_rate": 3.0, "speech_every": 3.0, "rate": "fixed"}
 
 
 def demo_rtc_parameters(args: argparse.Namespace, control_rate_hz: float) -> dict:
@@ -278,10 +279,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="action chunks per second [Hz] (default 4; 3 with --random-weights)")
     parser.add_argument("--rtc", choices=("on", "off"), default="on",
                         help="real-time chunking: each chunk continues the one the robot executes (default on)")
-    parser.add_argument("--rate", choices=("adaptive", "fixed"), default="adaptive",
-                        help="adaptive (default): the node's control rate follows the measured cycle cost between "
-                             "--min-control-rate and --control-rate (control_rate_mode adaptive, "
-                             "oxygen_ros/engine/rate.py); fixed: always --control-rate")
+    parser.add_argument("--rate", choices=("adaptive", "fixed"), default=None,
+                        help="adaptive (default; fixed with --random-weights): the node's control rate follows the "
+                             "measured cycle cost between --min-control-rate and --control-rate (control_rate_mode "
+                             "adaptive, oxygen_ros/engine/rate.py); fixed: always --control-rate")
     parser.add_argument("--min-control-rate", type=float, default=MIN_CONTROL_RATE_HZ,
                         help="adaptive: the slowest control rate [Hz] (default %(default)g; above 1 / a chunk's "
                              "span of H x 20 ms)")
@@ -316,7 +317,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(problem)
     defaults = dict(RANDOM_WEIGHTS) if args.random_weights else {
         "preset": "pi05_demo", "checkpoint": str(demo_policy_dir()), "instruction": None,
-        "language_prompt": None, "control_rate": 4.0, "speech_every": 1.0}
+        "language_prompt": None, "control_rate": 4.0, "speech_every": 1.0, "rate": "adaptive"}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
