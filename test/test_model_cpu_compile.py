@@ -64,6 +64,42 @@ def test_compiled_guided_denoise_matches_eager():
     assert not torch.allclose(got, plain, atol=1e-3)
 
 
+@pytest.mark.slow
+def test_a_thread_count_without_a_graph_runs_eagerly_instead_of_compiling_in_a_cycle(caplog):
+    """Inductor bakes the intra-op thread count into its loops: warm-up compiles the count in force and one
+    thread; at a third count a known shape runs eagerly (same numbers) rather than compiling for seconds."""
+    from oxygen_ros.models import cpu_fast_paths
+
+    model = load_model("pi05_tiny", dtype="float32", device="cpu")
+    kv, noise = _prefix(model, 30, 5)
+    cpu_fast_paths.use_one_thread_for_small_forwards(False)     # the tiny loop's 10 rows would take one thread
+    try:
+        _check_thread_counts(model, kv, noise, caplog)
+    finally:
+        cpu_fast_paths.use_one_thread_for_small_forwards(True)
+
+
+def _check_thread_counts(model, kv, noise, caplog):
+    from oxygen_ros.models import cpu_fast_paths
+
+    c = model.config
+    with cpu_fast_paths.fixed_threads(3):
+        eager = model.denoise(kv.begin(None), noise, num_steps=2)
+        model.enable_cpu_compile(True)
+        assert model.warm_cpu_compile() > 0.0
+        compiled = model.cpu_compile
+        assert compiled.compiled_threads[(False, 1, c.action_horizon)] == {1, 3}
+        with cpu_fast_paths.fixed_threads(2), caplog.at_level("INFO", logger="oxygen_ros.models.cpu_compile"), \
+                torch._dynamo.config.patch(error_on_recompile=True):
+            got = model.denoise(kv.begin(None), noise, num_steps=2)
+        assert compiled.eager_calls == 2 and "no graph for 2 intra-op threads" in caplog.text
+        torch.testing.assert_close(got, eager, atol=ATOL, rtol=RTOL)
+        with torch._dynamo.config.patch(error_on_recompile=True):     # 3 threads: its graph, no compile
+            torch.testing.assert_close(model.denoise(kv.begin(None), noise, num_steps=2), eager, atol=ATOL,
+                                       rtol=RTOL)
+        assert compiled.eager_calls == 2
+
+
 def test_failed_compile_runs_eagerly(monkeypatch, caplog):
     model = load_model("pi05_tiny", dtype="float32", device="cpu")
     kv, noise = _prefix(model, 20, 0)

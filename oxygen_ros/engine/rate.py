@@ -182,9 +182,12 @@ class ControlRate:
         if missed:
             self._since_change = 0       # no rise right after a miss, whatever its cause
             if cost * self.headroom > self.period_s + _TOLERANCE:
-                lower = self.fitting_hz(max(cost, estimate or 0.0) * self.headroom)
+                # the larger of the cycle's own cost and the p90 decides, and is the one reported
+                needed = max(cost, estimate or 0.0)
+                lower = self.fitting_hz(needed * self.headroom)
                 if lower < self.hz:
-                    return self._change(seq, lower, max(cost, estimate or 0.0), "deadline_missed")
+                    return self._change(seq, lower, needed,
+                                        "deadline_missed" if needed == cost else "cost_over_period")
         if estimate is not None and estimate * self.headroom > self.period_s + _TOLERANCE:
             lower = self.fitting_hz(estimate * self.headroom)
             if lower < self.hz:

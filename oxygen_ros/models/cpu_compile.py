@@ -57,10 +57,20 @@ class CompiledVelocity:
     mode, weights frozen) and one for steps guided by real-time chunking (``guided``: autograd runs through
     it, so inductor compiles the step's forward and its backward, without freezing).
 
+    Inductor writes the intra-op thread count into the generated loops, so a graph is one per thread count
+    too (dynamo guards on it). A shape is compiled at its first call for the count then in force; for another
+    count it is compiled only while :attr:`warming` (``VLAModel.warm_cpu_compile`` compiles the count in force
+    and one thread, the two the engine's automatic count moves between on a 2-core machine). A known shape at a
+    count never compiled runs eagerly (counted in :attr:`eager_calls`): a compile takes seconds and must not
+    land inside a control cycle.
+
     Attributes:
-        compile_seconds: per shape ``(batch, horizon)``, the seconds of the plain graph's first call (the
-            compile).
-        guided_compile_seconds: the same for the guided graph.
+        compile_seconds: per shape ``(batch, horizon)``, the seconds its plain graphs took to compile (every
+            thread count together).
+        guided_compile_seconds: the same for the guided graphs.
+        compiled_threads: per ``(guided, batch, horizon)``, the thread counts compiled.
+        eager_calls: steps run eagerly because their thread count had no graph.
+        warming: True while compiling ahead (new thread counts of known shapes compile then).
         failed: the error text when the plain compile failed (plain steps then run eagerly), else None.
         guided_failed: the same for the guided graph (guided steps then run eagerly).
     """
@@ -72,6 +82,9 @@ class CompiledVelocity:
         self._compiled: dict[bool, Callable] = {}
         self.compile_seconds: dict[tuple[int, int], float] = {}
         self.guided_compile_seconds: dict[tuple[int, int], float] = {}
+        self.compiled_threads: dict[tuple[bool, int, int], set[int]] = {}
+        self.eager_calls = 0
+        self.warming = False
         self.failed: str | None = None
         self.guided_failed: str | None = None
 
@@ -94,8 +107,17 @@ class CompiledVelocity:
                 # from inside: one kind of tensor, so that both take the same graph.
                 x = x.clone()
             shape = (x.shape[0], x.shape[1])
-            if shape in seconds:
+            threads = torch.get_num_threads()
+            compiled_threads = self.compiled_threads.setdefault((guided, *shape), set())
+            if threads in compiled_threads:
                 return self._compiled[guided](x, cond, keys, values, mask, cos, sin)
+            if compiled_threads and not self.warming:
+                # A graph for another thread count exists: compiling this one would stall a control cycle.
+                if self.eager_calls == 0:
+                    _LOG.info("the %s has no graph for %d intra-op threads (compiled for %s): running it eagerly",
+                              what, threads, sorted(compiled_threads))
+                self.eager_calls += 1
+                return model._velocity(x, cond, keys, values, mask, cos, sin)
             start = time.perf_counter()
             try:
                 if guided not in self._compiled:
@@ -110,9 +132,11 @@ class CompiledVelocity:
                     self.failed = text
                 _LOG.warning("compiling the %s failed, running it eagerly: %s", what, text)
                 return model._velocity(x, cond, keys, values, mask, cos, sin)
-            seconds[shape] = time.perf_counter() - start
-            _LOG.info("compiled the %s for batch %d, horizon %d in %.1f s (cache %s)",
-                      what, shape[0], shape[1], seconds[shape], cache_dir())
+            elapsed = time.perf_counter() - start
+            seconds[shape] = seconds.get(shape, 0.0) + elapsed
+            compiled_threads.add(threads)
+            _LOG.info("compiled the %s for batch %d, horizon %d, %d intra-op threads in %.1f s (cache %s)",
+                      what, shape[0], shape[1], threads, elapsed, cache_dir())
             return out
 
         return call

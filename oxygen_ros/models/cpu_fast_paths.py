@@ -239,6 +239,20 @@ def one_thread_for_small_forwards_in_use() -> bool:
 
 
 @contextlib.contextmanager
+def fixed_threads(threads: int) -> Iterator[None]:
+    """Within the block torch runs ``threads`` intra-op threads (process-wide); the count is restored
+    afterwards. Raises ValueError for ``threads`` < 1."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
 def threads_for(rows: int, device: torch.device) -> Iterator[None]:
     """Within the block, torch runs on one intra-op thread when a forward on the CPU has at most
     :data:`ONE_THREAD_MAX_ROWS` token rows per layer (the rule is on, the process has more than one

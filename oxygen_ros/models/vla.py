@@ -236,8 +236,9 @@ class VLAModel(nn.Module):
     def warm_cpu_compile(self, batch: int = 1, horizon: int | None = None, prefix_len: int = 64,
                          guided: bool = False) -> float:
         """Compile the denoising step for ``batch`` x ``horizon`` now (a denoise of one step over a
-        zero prefix of ``prefix_len`` tokens), instead of at the first control cycle; with ``guided`` also
-        the graph of real-time chunking's guided steps (one guided step). A no-op when
+        zero prefix of ``prefix_len`` tokens), instead of at the first control cycle, for the intra-op thread
+        count in force and for one thread (the graphs are per count: :class:`~.cpu_compile.CompiledVelocity`);
+        with ``guided`` also the graphs of real-time chunking's guided steps (one guided step). A no-op when
         :meth:`enable_cpu_compile` is off or the model is not fp32 on the CPU.
 
         Returns:
@@ -253,11 +254,6 @@ class VLAModel(nn.Module):
         compiled = self._cpu_compile
         if compiled is None or self.device.type != "cpu" or self.dtype != torch.float32:
             return 0.0
-        shape = (batch, horizon)
-        plain_due = shape not in compiled.compile_seconds and compiled.failed is None
-        guided_due = guided and shape not in compiled.guided_compile_seconds and compiled.guided_failed is None
-        if not (plain_due or guided_due):
-            return 0.0
         start = time.perf_counter()
         kv = [torch.zeros(batch, prefix_len, c.num_kv_heads, c.head_dim, dtype=self.dtype)
               for _ in range(c.vlm_num_layers)]
@@ -265,14 +261,26 @@ class VLAModel(nn.Module):
         lens = torch.full((batch,), prefix_len, dtype=torch.long)
         noise = torch.zeros(batch, horizon, c.action_dim)
         state = torch.zeros(batch, c.action_dim, dtype=self.dtype) if c.variant == "pi0" else None
-        with cpu_fast_paths.threads_for(batch * horizon, self.device):
-            if plain_due:
-                self._denoise_loop(kv, list(kv), valid, lens, noise, 1, state)
-            if guided_due:
-                guidance = RTCGuidance(torch.zeros(batch, horizon, c.action_dim),
-                                       torch.ones(batch, horizon), 1.0)
-                self._denoise_guided(kv, list(kv), valid, lens, noise, 1, state, guidance)
-        return time.perf_counter() - start
+        compiled_any = False
+        compiled.warming = True
+        try:
+            # The count in force and one thread: the two the engine's automatic count moves between on 2 cores.
+            for threads in sorted({torch.get_num_threads(), 1}, reverse=True):
+                with cpu_fast_paths.fixed_threads(threads), cpu_fast_paths.threads_for(batch * horizon, self.device):
+                    in_force = torch.get_num_threads()
+                    if compiled.failed is None and in_force not in compiled.compiled_threads.get(
+                            (False, batch, horizon), ()):
+                        self._denoise_loop(kv, list(kv), valid, lens, noise, 1, state)
+                        compiled_any = True
+                    if guided and compiled.guided_failed is None and in_force not in compiled.compiled_threads.get(
+                            (True, batch, horizon), ()):
+                        guidance = RTCGuidance(torch.zeros(batch, horizon, c.action_dim),
+                                               torch.ones(batch, horizon), 1.0)
+                        self._denoise_guided(kv, list(kv), valid, lens, noise, 1, state, guidance)
+                        compiled_any = True
+        finally:
+            compiled.warming = False
+        return time.perf_counter() - start if compiled_any else 0.0
 
     @property
     def cuda_graphs(self) -> GraphCache | None:
