@@ -61,6 +61,11 @@ def test_the_demo_runs_an_adaptive_rate_by_default_and_a_fixed_one_on_request(de
     params = demo.node_parameters(demo.parse_args([]))
     assert (params["control_rate_mode"], params["control_rate_hz"]) == ("adaptive", 4.0)
     assert params["control_rate_min_hz"] == demo.MIN_CONTROL_RATE_HZ
+    # one intra-op thread and compiled denoising steps beside the simulator, unless overridden
+    assert (params["engine.intra_op_threads"], params["cpu_compile"]) == (1, True)
+    auto = demo.node_parameters(demo.parse_args(["--param", "engine.intra_op_threads:=0",
+                                                 "--param", "cpu_compile:=false"]))
+    assert (auto["engine.intra_op_threads"], auto["cpu_compile"]) == (0, False)
     assert demo.parse_args([]).settle_cycles == demo.SETTLE_CYCLES > 0
     # the untrained pi05_tiny's chunks span 0.2 s, shorter than any adaptive floor: a fixed rate, as asked
     assert demo.node_parameters(demo.parse_args(["--random-weights"]))["control_rate_mode"] == "fixed"

@@ -117,6 +117,11 @@ def node_parameters(args: argparse.Namespace) -> dict:
         # The first camera (top) is required; a late wrist frame only masks its slot for that cycle.
         "camera_required": [True] + [False] * (len(cameras) - 1),
         "staleness_limit_s": args.staleness,
+        # Beside the simulator's renders one intra-op thread and the compiled denoising steps (RTC's guided ones
+        # included) ran the cycle fastest: denoising 52-55 ms against 77-129 ms with the automatic thread count
+        # and eager steps (docs/demo.md, "Measured"). Compiled at configure: 7-11 s with inductor's cache warm.
+        "engine.intra_op_threads": 1,
+        "cpu_compile": True,
         "instruction_topic": "/instruction", "joint_states_topic": "/joint_states",
         "control_rate_hz": args.control_rate,
         "control_rate_mode": args.rate,
