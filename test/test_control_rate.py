@@ -185,7 +185,7 @@ def test_the_demo_summary_gives_the_rates_run_with_their_cycles_and_misses():
     assert describe_rates(log, cycles[10:]).endswith("1 changes (0 down, 1 up)")
     assert describe_rates(log, []) == "adaptive 1.5-4 Hz: no cycle recorded"
     fixed = rate_log(ControlRate(ActionTaskConfig(control_rate_hz=4.0)))
-    assert describe_rates(fixed, cycles) == "4 Hz (fixed)"
+    assert describe_rates(fixed, cycles) == "4 Hz (fixed): 40 cycles (2 late)"
     assert describe_rates({"chosen_hz": 3}, cycles) == "3 Hz"        # another version's file: its rate alone
     text = format_summary(summarize(RunData(cycles=cycles, control_rate=log)))
     assert "control rate       adaptive 1.5-4 Hz: 2.5 Hz in 20 of 40 cycles (0 late)" in text
@@ -205,6 +205,23 @@ def test_an_adaptive_floor_the_chunks_cannot_cover_is_refused_at_configure():
         settings_from_values({**values, "control_rate_min_hz": 1.0})
     assert settings_from_values({**values, "control_rate_min_hz": 2.5}).engine.action.control_rate_min_hz == 2.5
     settings_from_values({**values, "control_rate_mode": "fixed", "control_rate_min_hz": 1.0})   # floor unused
+    # 0 (the default): the lowest 0.5 Hz step above 1 / 0.5 s, 2.5 Hz; at most the rate asked for
+    assert settings_from_values(values).engine.action.control_rate_min_hz == 2.5
+    assert settings_from_values({**values, "control_rate_hz": 2.0}).engine.action.control_rate_min_hz == 2.0
+
+
+def test_the_automatic_floor_is_the_lowest_step_above_the_chunk_rate():
+    from oxygen_ros.engine.rate import automatic_floor_hz
+
+    assert automatic_floor_hz(4.0, 0.5, 1.0) == 1.5       # the demo: 1 s chunks; 1 Hz is not shorter than 1 s
+    assert automatic_floor_hz(4.0, 0.5, 1.0000005) == 1.0  # DROID's 15 x 1/15 s, a hair over 1 s
+    assert automatic_floor_hz(10.0, 0.5, 0.5) == 2.5
+    assert automatic_floor_hz(2.0, 0.5, 0.5) == 2.0       # capped: no room to slow down
+    assert automatic_floor_hz(4.0, 0.25, 2.5) == 0.5
+    with pytest.raises(ValueError):
+        automatic_floor_hz(4.0, 0.5, 0.0)
+    # unresolved (no node), 0 means one step
+    assert _adaptive(min_hz=0.0).grid[0] == 0.5
 
 
 @pytest.mark.ros      # an rclpy logger

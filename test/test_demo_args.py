@@ -60,7 +60,7 @@ def test_non_positive_durations_are_usage_errors(demo, argv, capsys):
 def test_the_demo_runs_an_adaptive_rate_by_default_and_a_fixed_one_on_request(demo, capsys):
     params = demo.node_parameters(demo.parse_args([]))
     assert (params["control_rate_mode"], params["control_rate_hz"]) == ("adaptive", 4.0)
-    assert params["control_rate_min_hz"] == demo.MIN_CONTROL_RATE_HZ
+    assert params["control_rate_min_hz"] == 0.0           # the node's automatic floor (1.5 Hz for 1 s chunks)
     # one intra-op thread and compiled denoising steps beside the simulator, unless overridden
     assert (params["engine.intra_op_threads"], params["cpu_compile"]) == (1, True)
     auto = demo.node_parameters(demo.parse_args(["--param", "engine.intra_op_threads:=0",
@@ -70,10 +70,10 @@ def test_the_demo_runs_an_adaptive_rate_by_default_and_a_fixed_one_on_request(de
     # the untrained pi05_tiny's chunks span 0.2 s, shorter than any adaptive floor: a fixed rate, as asked
     assert demo.node_parameters(demo.parse_args(["--random-weights"]))["control_rate_mode"] == "fixed"
     fixed = demo.node_parameters(demo.parse_args(["--rate", "fixed", "--control-rate", "1"]))
-    # the floor never exceeds the most asked for (the engine refuses min > max in adaptive mode)
-    assert (fixed["control_rate_mode"], fixed["control_rate_min_hz"]) == ("fixed", 1.0)
+    assert fixed["control_rate_mode"] == "fixed"
     for argv, message in ((["--settle-cycles", "-1"], "--settle-cycles must be >= 0"),
-                          (["--min-control-rate", "0"], "--min-control-rate must be > 0 Hz")):
+                          (["--min-control-rate", "-1"], "--min-control-rate must be >= 0 Hz"),
+                          (["--min-control-rate", "5"], "--min-control-rate 5 Hz is above --control-rate 4 Hz")):
         with pytest.raises(SystemExit) as exit_info:
             demo.parse_args(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -271,12 +271,14 @@ class ActionTaskConfig:
     control_rate_mode: str = knob("fixed", "fixed: every cycle at control_rate_hz; adaptive: the rate follows the "
                                   "measured cycle cost between control_rate_min_hz and control_rate_hz "
                                   "(oxygen_ros/engine/rate.py: down at once when the cycles' p90 cost x "
-                                  "control_rate_headroom exceeds the period or a cycle misses its deadline, up one "
+                                  "control_rate_headroom exceeds the period, or a cycle misses its deadline and its "
+                                  "own cost x the headroom does, up one "
                                   "control_rate_step_hz after control_rate_window cycles that fit the faster rate)",
                                   choices=RATE_MODES)
-    control_rate_min_hz: float = knob(1.0, "adaptive mode: the lowest control rate; the period must stay "
-                                      "shorter than a chunk's span (H x action_dt_s)", unit="Hz", low=0.0,
-                                      low_open=True, high=1000.0)
+    control_rate_min_hz: float = knob(0.0, "adaptive mode: the lowest control rate; 0 = automatic: the lowest "
+                                      "multiple of control_rate_step_hz whose period is shorter than a chunk's span "
+                                      "(H x action_dt_s), at most control_rate_hz; a rate given must also have a "
+                                      "period shorter than that span", unit="Hz", low=0.0, high=1000.0)
     control_rate_step_hz: float = knob(0.5, "adaptive mode: the rates run are control_rate_min_hz plus "
                                        "multiples of this (and control_rate_hz)", unit="Hz", low=0.0,
                                        low_open=True, high=1000.0)

@@ -81,6 +81,16 @@ def rate_grid(low_hz: float, step_hz: float, high_hz: float) -> tuple[float, ...
     return tuple(r for r in rates if r < high_hz - _TOLERANCE) + (high_hz,)
 
 
+def automatic_floor_hz(max_hz: float, step_hz: float, chunk_span_s: float) -> float:
+    """``control_rate_min_hz: 0``'s floor [Hz]: the lowest multiple of ``step_hz`` whose period is shorter than
+    ``chunk_span_s`` (a chunk's H x action_dt_s: slower, the robot would run out of actions between chunks), at most
+    ``max_hz``. Raises ValueError unless all three are > 0."""
+    if not (max_hz > 0 and step_hz > 0 and chunk_span_s > 0):
+        raise ValueError(f"max_hz, step_hz and chunk_span_s must be > 0, got {max_hz}, {step_hz}, {chunk_span_s}")
+    k = math.floor(1.0 / (chunk_span_s * step_hz) + _TOLERANCE) + 1      # k x step > 1 / span
+    return min(max_hz, round(k * step_hz, 9))
+
+
 @dataclass(frozen=True)
 class RateChange:
     """One change of the control rate.
@@ -123,7 +133,8 @@ class ControlRate:
     Args:
         action: the action task's settings (``control_rate_hz``, ``control_rate_mode`` and the adaptive
             mode's ``control_rate_min_hz``, ``control_rate_step_hz``, ``control_rate_headroom``,
-            ``control_rate_window``).
+            ``control_rate_window``); a ``control_rate_min_hz`` of 0 (automatic, resolved by the node with
+            :func:`automatic_floor_hz`) that reaches here unresolved means one ``control_rate_step_hz``.
         min_decode_steps: the engine's ``min_decode_steps_per_cycle`` (what :func:`cycle_cost_s` counts).
 
     Not thread-safe for writers: one thread observes; others may read :attr:`hz`, :attr:`period_s` and
@@ -135,9 +146,12 @@ class ControlRate:
             raise ValueError(f"min_decode_steps must be >= 0, got {min_decode_steps}")
         self.adaptive = action.control_rate_mode == "adaptive"
         self.max_hz = action.control_rate_hz
-        self.min_hz = action.control_rate_min_hz if self.adaptive else action.control_rate_hz
+        # 0 (automatic) is resolved by the node from the chunk's span; without one the floor is one step
+        floor = action.control_rate_min_hz or min(action.control_rate_step_hz, action.control_rate_hz)
+        self.min_hz = floor if self.adaptive else action.control_rate_hz
         self.headroom = action.control_rate_headroom
         self.window = action.control_rate_window
+        self.step_hz = action.control_rate_step_hz
         self.grid = rate_grid(self.min_hz, action.control_rate_step_hz, self.max_hz) if self.adaptive \
             else (self.max_hz,)
         self._min_decode_steps = min_decode_steps

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
@@ -47,6 +47,7 @@ from rclpy.parameter import Parameter
 
 from oxygen_ros.engine.config import (NEXT_CONFIGURE, NEXT_USE, START_UP, STRUCTURAL, EngineConfig, Knob,
                                       TaskConfig, leaves)
+from oxygen_ros.engine.rate import automatic_floor_hz
 from oxygen_ros.memory.store import DEFAULT_COLLECTION
 from oxygen_ros.models.config import PRESETS, get_preset
 from oxygen_ros.models.conventions import MODEL_CAMERA_SLOTS, NORM_MODES, Conventions, apply_settings, \
@@ -615,12 +616,8 @@ def settings_from_values(values: Mapping[str, Any], log: Callable[[str], None] |
     model_slots = tuple(sorted((c.slot for c in cameras), key=MODEL_CAMERA_SLOTS.index))
     engine = EngineConfig.from_dict(engine_mapping(v, conventions, model_slots))
     action_dt_s = conventions.action_dt_s or DEFAULT_ACTION_DT_S
-    span_s = conventions.action_horizon * action_dt_s
-    if engine.action.control_rate_mode == "adaptive" and 1.0 / engine.action.control_rate_min_hz >= span_s:
-        raise ValueError(f"parameter control_rate_min_hz: {engine.action.control_rate_min_hz:g} Hz (a "
-                         f"{1.0 / engine.action.control_rate_min_hz:g} s period) would let the robot run out of "
-                         f"actions: a chunk spans {span_s:g} s (H {conventions.action_horizon} x action_dt_s "
-                         f"{action_dt_s:g} s); the slowest adaptive rate must be above {1.0 / span_s:g} Hz")
+    engine = _resolve_rate_floor(engine, conventions.action_horizon * action_dt_s, conventions.action_horizon,
+                                 action_dt_s)
     return NodeSettings(
         preset=v["preset"], checkpoint=v["checkpoint"], allow_random_weights=bool(v["allow_random_weights"]),
         tokenizer_path=v["tokenizer_path"], norm_stats_path=v["norm_stats_path"], conventions=conventions,
@@ -645,6 +642,27 @@ def settings_from_values(values: Mapping[str, Any], log: Callable[[str], None] |
             duplicate_radius_m=float(v["memory.store.duplicate_radius_m"]),
             duplicate_text_similarity=float(v["memory.store.duplicate_text_similarity"]),
             prune_every_s=float(v["memory.store.prune_every_s"])))
+
+
+def _resolve_rate_floor(engine: EngineConfig, span_s: float, horizon: int, action_dt_s: float) -> EngineConfig:
+    """In adaptive ``control_rate_mode``: ``control_rate_min_hz`` 0 replaced by its automatic value
+    (:func:`oxygen_ros.engine.rate.automatic_floor_hz`), a given floor checked against a chunk's span ``span_s``.
+
+    Raises:
+        ValueError: a given floor whose period is not shorter than the span, naming the ways out.
+    """
+    action = engine.action
+    if action.control_rate_mode != "adaptive":
+        return engine
+    if action.control_rate_min_hz == 0:
+        floor = automatic_floor_hz(action.control_rate_hz, action.control_rate_step_hz, span_s)
+        return replace(engine, action=replace(action, control_rate_min_hz=floor))
+    if 1.0 / action.control_rate_min_hz >= span_s:
+        raise ValueError(f"parameter control_rate_min_hz: {action.control_rate_min_hz:g} Hz (a "
+                         f"{1.0 / action.control_rate_min_hz:g} s period) would let the robot run out of actions: a "
+                         f"chunk spans {span_s:g} s (H {horizon} x action_dt_s {action_dt_s:g} s); the slowest "
+                         f"adaptive rate must be above {1.0 / span_s:g} Hz (0 chooses it; or control_rate_mode fixed)")
+    return engine
 
 
 def _conventions(v: dict, joint_names: tuple[str, ...], cameras: tuple[CameraSettings, ...]) -> Conventions:

@@ -71,7 +71,6 @@ from oxygen_ros.tools.child_process import start_child, stop_child  # noqa: E402
 NODE_NAME = "oxygen_node"
 ACTION_DT_S = 0.02            # ALOHA's 50 Hz control: the time between a chunk's actions [s]
 SETTLE_CYCLES = 8             # cycles before the recording: first prefills, the adaptive rate's first adjustments
-MIN_CONTROL_RATE_HZ = 1.5     # the adaptive rate's floor: a chunk spans 1 s (H = 50 at 50 Hz)
 DEFAULT_SEED = 1000           # the cube's start pose: the first evaluation seed (the training data used 0..99)
 # pi05_tiny's chunk spans 0.2 s (H = 10): no adaptive floor can stay under it, so its rate is fixed.
 RANDOM_WEIGHTS = {"preset": "pi05_tiny", "checkpoint": "", "instruction": "pick up the red cube",
@@ -125,7 +124,7 @@ def node_parameters(args: argparse.Namespace) -> dict:
         "instruction_topic": "/instruction", "joint_states_topic": "/joint_states",
         "control_rate_hz": args.control_rate,
         "control_rate_mode": args.rate,
-        "control_rate_min_hz": min(args.min_control_rate, args.control_rate),
+        "control_rate_min_hz": args.min_control_rate,       # 0: the node's automatic floor
         "speech.trigger.every_s": args.speech_every,
         "memory.trigger.every_s": args.memory_every,
     }
@@ -231,8 +230,7 @@ def settle(args: argparse.Namespace, executor, oxygen, robot: subprocess.Popen, 
     seqs: set[int] = set()
     if args.settle_cycles == 0:
         return seqs
-    log.info(f"settling: {args.settle_cycles} control cycles before the recording starts (control rate "
-             f"{'adaptive, at most' if args.rate == 'adaptive' else 'fixed at'} {args.control_rate:g} Hz)")
+    log.info(f"settling: {args.settle_cycles} control cycles before the recording starts")
     while not stop.is_set() and robot.poll() is None and oxygen.autostart_failed is None \
             and time.monotonic() < deadline:
         executor.spin_once(timeout_sec=0.1)
@@ -288,9 +286,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="adaptive (default; fixed with --random-weights): the node's control rate follows the "
                              "measured cycle cost between --min-control-rate and --control-rate (control_rate_mode "
                              "adaptive, oxygen_ros/engine/rate.py); fixed: always --control-rate")
-    parser.add_argument("--min-control-rate", type=float, default=MIN_CONTROL_RATE_HZ,
-                        help="adaptive: the slowest control rate [Hz] (default %(default)g; above 1 / a chunk's "
-                             "span of H x 20 ms)")
+    parser.add_argument("--min-control-rate", type=float, default=0.0,
+                        help="adaptive: the slowest control rate [Hz], above 1 / a chunk's span of H x 20 ms "
+                             "(default 0: the node's automatic floor, 1.5 Hz for the shipped policy's 1 s chunks)")
     parser.add_argument("--settle-cycles", type=int, default=SETTLE_CYCLES, metavar="N",
                         help="control cycles run before the recording (and the summary) starts (default "
                              "%(default)s)")
@@ -313,8 +311,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be > 0 s, got {getattr(args, name)}")
     if args.settle_cycles < 0:
         parser.error(f"--settle-cycles must be >= 0, got {args.settle_cycles}")
-    if not args.min_control_rate > 0:
-        parser.error(f"--min-control-rate must be > 0 Hz, got {args.min_control_rate}")
+    if not args.min_control_rate >= 0:
+        parser.error(f"--min-control-rate must be >= 0 Hz, got {args.min_control_rate}")
     if args.control_rate is not None and not args.control_rate > 0:
         parser.error(f"--control-rate must be > 0 Hz, got {args.control_rate}")
     problem = demo_data.seed_range_problem("--seed", args.seed, 1)    # checked here, not in the robot's process
@@ -326,6 +324,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.rate == "adaptive" and args.min_control_rate > args.control_rate:
+        parser.error(f"--min-control-rate {args.min_control_rate:g} Hz is above --control-rate {args.control_rate:g} Hz")
     if args.checkpoint and not Path(args.checkpoint).is_dir():
         parser.error(f"--checkpoint {args.checkpoint}: no such directory")
     policy = read_policy_file(args.checkpoint)

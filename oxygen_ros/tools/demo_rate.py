@@ -19,10 +19,10 @@ from oxygen_ros.engine.rate import ControlRate
 
 def rate_log(rate: ControlRate) -> dict:
     """``control_rate.json`` of a node's :class:`ControlRate`: ``mode`` (fixed / adaptive), ``max_hz``,
-    ``min_hz``, ``headroom``, ``window`` and ``changes`` (each :class:`~oxygen_ros.engine.rate.RateChange` as a
+    ``min_hz``, ``step_hz``, ``headroom``, ``window`` and ``changes`` (each :class:`~oxygen_ros.engine.rate.RateChange` as a
     dict, oldest first; the newest :data:`~oxygen_ros.engine.rate.CHANGES_KEPT`)."""
     return {"mode": "adaptive" if rate.adaptive else "fixed", "max_hz": rate.max_hz, "min_hz": rate.min_hz,
-            "headroom": rate.headroom, "window": rate.window,
+            "step_hz": rate.step_hz, "headroom": rate.headroom, "window": rate.window,
             "changes": [change.as_dict() for change in rate.changes]}
 
 
@@ -45,10 +45,13 @@ def cycle_rates(log: Mapping, seqs: Sequence[int]) -> list[float]:
 def describe_rates(log: Mapping, cycles: Iterable[Mapping]) -> str:
     """The summary's control-rate line for the recorded ``cycles`` (``CycleRecord`` dicts: ``seq``,
     ``deadline_missed``), e.g. ``adaptive 1.5-4 Hz: 3 Hz in 120 of 180 cycles (2 late), 3.5 Hz in 60 (0 late);
-    2 changes (1 down, 1 up)``; ``4 Hz (fixed)``; the rate alone for a log written by another version."""
+    2 changes (1 down, 1 up)`` (the changes that applied to recorded cycles; ``control_rate.json`` lists every one,
+    the settling cycles' included); ``4 Hz (fixed): 180 cycles (0 late)``; the rate alone for a log written by
+    another version."""
     cycles = sorted(cycles, key=lambda c: c["seq"])
     if log.get("mode") == "fixed":
-        return f"{log['max_hz']:g} Hz (fixed)"
+        late = sum(bool(c["deadline_missed"]) for c in cycles)
+        return f"{log['max_hz']:g} Hz (fixed): {len(cycles)} cycles ({late} late)"
     if "max_hz" not in log:
         return f"{log.get('chosen_hz', 'n/a')} Hz"
     head = f"adaptive {log['min_hz']:g}-{log['max_hz']:g} Hz"
