@@ -324,3 +324,38 @@ def test_unfinished_mcap_is_read_up_to_its_last_complete_chunk(tmp_path):
     reader = UnfinishedMcapReader([mcap])
     assert reader.recovery.messages == 12 and reader.recovery.finished and reader.recovery.skipped_bytes == 0
     assert type(open_bag(bag, typestore)).__name__ == "AnyReader"
+
+
+@pytest.mark.slow
+def test_replay_with_the_node_in_its_process_publishes_action_chunks(tmp_path):
+    """``replay --node``: the oxygen node runs in the player's process (the ``oxygen_node`` executable's executor)
+    on the replayed camera and joint states and publishes action chunks; the program ends cleanly."""
+    import re
+
+    from node_support import JOINTS, REPO_ROOT
+    from oxygen_ros.tools.bag_recorder import BagWriter
+
+    bag = tmp_path / "robot_bag"
+    with BagWriter(bag) as writer:
+        typestore = writer.typestore
+        joint_state = typestore.types["sensor_msgs/msg/JointState"]
+        header = typestore.types["std_msgs/msg/Header"]
+        stamp = typestore.types["builtin_interfaces/msg/Time"]
+        writer.add_topic("/camera/image_raw", "sensor_msgs/msg/Image")
+        writer.add_topic("/joint_states", "sensor_msgs/msg/JointState")
+        for i in range(20):          # 2 s at 10 Hz
+            stamp_ns = 1_000_000_000 + i * 100_000_000
+            writer.write("/camera/image_raw", typestore.serialize_cdr(_image(typestore, i), "sensor_msgs/msg/Image"),
+                         stamp_ns)
+            state = joint_state(header=header(stamp=stamp(sec=1, nanosec=i * 100_000_000), frame_id=""),
+                                name=list(JOINTS), position=np.linspace(-0.5, 0.5, len(JOINTS)),
+                                velocity=np.zeros(0), effort=np.zeros(0))
+            writer.write("/joint_states", typestore.serialize_cdr(state, "sensor_msgs/msg/JointState"), stamp_ns + 1)
+    result = _run("replay", str(bag), "--loop", "--restamp", "--duration", "25", "--node",
+                  "--params-file", str(REPO_ROOT / "config" / "pi05_tiny.yaml"),
+                  "--param", "default_instruction:=pick up the cube", "--param", "staleness_limit_s:=2.0")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "Traceback" not in output and "cycle_failed" not in output, output[-4000:]
+    published = re.search(r"action chunks published by the oxygen node: (\d+)", result.stdout)
+    assert published and int(published.group(1)) > 0, output[-4000:]

@@ -25,7 +25,8 @@ messages were recovered and how much of the file's end was skipped (``bag_reader
 unreadable bag, nothing to replay) end the program with one line ``oxygen_ros replay: error: ...`` and exit
 status 1; bad arguments (``--rate 0``) with the usage and status 2.
 
-With ``--node`` the oxygen node (``OxygenNode``) runs in the same process and executor, with the given
+With ``--node`` the oxygen node (``OxygenNode``) runs in the same process and executor (the ``oxygen_node``
+executable's, :class:`~oxygen_ros.node.executor.TransitionExecutor`), with the given
 parameter file and ``--param`` overrides, and the player prints how many action chunks it published.
 """
 
@@ -38,11 +39,12 @@ from pathlib import Path
 from typing import Iterable
 
 import rclpy
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.serialization import deserialize_message, serialize_message
 
+from oxygen_ros.node.executor import TransitionExecutor
 from oxygen_ros.tools.bag_reader import BagError, Upgrade, open_bag
 from oxygen_ros.tools.bag_recorder import message_class, project_typestore
 
@@ -257,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     # Only the parameter file goes to rclpy: the player's own arguments (e.g. --remap a:=b) are not ROS's.
     rclpy_args = ["--ros-args", "--params-file", str(args.params_file)] if args.params_file else []
     rclpy.init(args=rclpy_args)
-    executor = MultiThreadedExecutor(num_threads=4)
+    executor = None
     nodes = []
     error = None
     try:
@@ -273,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
             nodes.append(node)
             player.create_subscription(ActionChunk, f"{node.get_fully_qualified_name()}/action_chunk",
                                        chunks.append, 10)
+        # The oxygen_node executable's executor with the node (its transitions on a worker, every other callback
+        # on this thread: a multi-threaded executor's pool threads take the control cycle's interpreter lock,
+        # docs/demo.md); the player publishes from its own thread.
+        executor = TransitionExecutor(nodes[1].runs_long) if args.node else SingleThreadedExecutor()
         for node in nodes:
             executor.add_node(node)
         player.get_logger().info(f"replaying {args.bag} ({player.duration_s:.2f} s recorded) at "
@@ -294,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, BagError, ValueError) as err:
         error = err
     finally:
-        executor.shutdown()
+        if executor is not None:
+            executor.shutdown()
         for node in nodes:
             node.destroy_node()
         rclpy.try_shutdown()
