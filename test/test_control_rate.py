@@ -70,6 +70,7 @@ def test_the_grid_runs_from_the_floor_in_steps_and_ends_at_the_most():
 def test_a_fixed_rate_never_changes():
     rate = ControlRate(ActionTaskConfig(control_rate_hz=4.0), min_decode_steps=1)
     assert not rate.adaptive and rate.period_s == pytest.approx(0.25) and rate.grid == (4.0,)
+    assert rate.describe() == "4 Hz"
     feed = _Feed(rate)
     assert feed.cycles(2.0, 50) == [] and feed.cycle(3.0, missed=True) is None
     assert (rate.hz, rate.change_count) == (4.0, 0)
@@ -78,6 +79,7 @@ def test_a_fixed_rate_never_changes():
 def test_the_rate_drops_at_once_to_the_fastest_rate_the_p90_cost_fits():
     rate = _adaptive()
     assert rate.hz == 4.0 and rate.period_s == pytest.approx(0.25)     # starts at the most
+    assert rate.describe() == "adaptive 1-4 Hz"
     feed = _Feed(rate)
     # Before MIN_ESTIMATE_CYCLES costs there is no p90 (and these cycles made their deadline): no change.
     assert feed.cycles(0.3, MIN_ESTIMATE_CYCLES - 1) == []

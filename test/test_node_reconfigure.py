@@ -64,7 +64,7 @@ def test_configure_time_parameters_apply_at_configure_and_are_refused_while_conf
         count = h.count("trajectory")
         assert wait_for(lambda: h.count("trajectory") > count, 30.0)
         assert list(h.received["trajectory"][-1].joint_names) == JOINTS[:6]
-        # ManagedNode.reconfigure (the demo's rate calibration): the same transitions on the calling thread
+        # ManagedNode.reconfigure (the closed-loop evaluation's node runs): the same transitions on the calling thread
         h.node.reconfigure({"control_rate_hz": 3.0})
         assert h.node.lifecycle_state == "active"
         assert h.node.engine.config.action.control_period_s == pytest.approx(1.0 / 3.0)

@@ -162,6 +162,10 @@ class ControlRate:
         self.change_count = 0
         self.changes: deque[RateChange] = deque(maxlen=CHANGES_KEPT)
 
+    def describe(self) -> str:
+        """The rate's range for a log line: ``adaptive 1.5-4 Hz`` or ``4 Hz``."""
+        return f"adaptive {self.min_hz:g}-{self.max_hz:g} Hz" if self.adaptive else f"{self.max_hz:g} Hz"
+
     @property
     def period_s(self) -> float:
         """The current control period [s]: 1 / :attr:`hz`."""

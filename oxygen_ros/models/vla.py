@@ -652,11 +652,10 @@ class VLAModel(nn.Module):
         state = None if state is None else state.to(self.device, self.dtype)
         if guidance is not None:
             guidance.check(b, horizon, c.action_dim)
-            if guidance.active:
-                with cpu_fast_paths.threads_for(b * horizon, self.device):     # the plain loop's rule
-                    return self._denoise_guided(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps,
-                                                state, guidance)
-        with cpu_fast_paths.threads_for(b * horizon, self.device):
+        with cpu_fast_paths.threads_for(b * horizon, self.device):     # guided or plain: one thread rule
+            if guidance is not None and guidance.active:
+                return self._denoise_guided(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state,
+                                            guidance)
             if self._graphed():
                 return self._denoise_graphed(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)
             return self._denoise_loop(prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state)

@@ -257,7 +257,7 @@ class OxygenNode(ManagedNode):
             f"configured {settings.model_id} in {time.perf_counter() - start:.1f} s (warm-up cycle "
             f"{warm_s:.2f} s): KV pool "
             f"{pool.num_blocks} pages x {pool.bytes_per_block} B, cameras "
-            f"{[c.slot for c in settings.cameras]}, control rate {self._describe_rate(settings)}")
+            f"{[c.slot for c in settings.cameras]}, control rate {self._cycle.rate.describe()}")
 
     @property
     def control_rate(self):
@@ -265,13 +265,6 @@ class OxygenNode(ManagedNode):
         rate now, and in adaptive mode its changes), or None while unconfigured."""
         cycle = self._cycle
         return cycle.rate if cycle is not None else None
-
-    @staticmethod
-    def _describe_rate(settings: NodeSettings) -> str:
-        action = settings.engine.action
-        if action.control_rate_mode == "adaptive":
-            return f"adaptive {action.control_rate_min_hz:g}-{action.control_rate_hz:g} Hz"
-        return f"{action.control_rate_hz:g} Hz"
 
     def _conflict_policy(self) -> str:
         return self.get_parameter("command_conflict_policy").value

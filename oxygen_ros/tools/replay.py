@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         # The oxygen_node executable's executor with the node (its transitions on a worker, every other callback
         # on this thread: a multi-threaded executor's pool threads take the control cycle's interpreter lock,
         # docs/demo.md); the player publishes from its own thread.
-        executor = TransitionExecutor(nodes[1].runs_long) if args.node else SingleThreadedExecutor()
+        executor = TransitionExecutor(node.runs_long) if args.node else SingleThreadedExecutor()
         for node in nodes:
             executor.add_node(node)
         player.get_logger().info(f"replaying {args.bag} ({player.duration_s:.2f} s recorded) at "
