@@ -212,6 +212,23 @@ def test_an_adaptive_floor_the_chunks_cannot_cover_is_refused_at_configure():
     assert settings_from_values({**values, "control_rate_hz": 2.0}).engine.action.control_rate_min_hz == 2.0
 
 
+@pytest.mark.ros      # the node's parameters module imports rclpy
+def test_engine_errors_about_action_fields_name_the_node_parameters():
+    """The engine calls the action task's fields ``action.<field>``; the node declares them at top level, so its
+    refusal names the parameters as ``ros2 param`` knows them (and leaves ``engine.*`` names alone)."""
+    from oxygen_ros.node.parameters import node_parameter_names, settings_from_values
+
+    values = {"joint_names": ["j1", "j2"], "action_dt_s": 0.05, "action_horizon": 10,
+              "control_rate_mode": "adaptive", "control_rate_hz": 4.0, "control_rate_min_hz": 5.0}
+    with pytest.raises(ValueError) as err:
+        settings_from_values(values)
+    assert str(err.value) == "control_rate_min_hz (5 Hz) must not exceed control_rate_hz (4 Hz) in adaptive mode"
+    with pytest.raises(ValueError, match="^num_denoise_steps must be >= 1, got 0$"):
+        settings_from_values({**values, "control_rate_min_hz": 0.0, "num_denoise_steps": 0})
+    assert node_parameter_names("action.subtask_task x; engine.action.noise_seed; action.noise_seedling") == \
+        "subtask_task x; engine.action.noise_seed; action.noise_seedling"
+
+
 def test_the_automatic_floor_is_the_lowest_step_above_the_chunk_rate():
     from oxygen_ros.engine.rate import automatic_floor_hz
 

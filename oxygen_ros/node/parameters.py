@@ -36,6 +36,7 @@ sets, the others taking their declared defaults, without a node.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping
@@ -614,7 +615,10 @@ def settings_from_values(values: Mapping[str, Any], log: Callable[[str], None] |
         if declaration.knob.choices and isinstance(v[name], str):
             _choice(name, v[name], declaration.knob.choices)
     model_slots = tuple(sorted((c.slot for c in cameras), key=MODEL_CAMERA_SLOTS.index))
-    engine = EngineConfig.from_dict(engine_mapping(v, conventions, model_slots))
+    try:
+        engine = EngineConfig.from_dict(engine_mapping(v, conventions, model_slots))
+    except ValueError as err:
+        raise ValueError(node_parameter_names(str(err))) from None
     action_dt_s = conventions.action_dt_s or DEFAULT_ACTION_DT_S
     engine = _resolve_rate_floor(engine, conventions.action_horizon * action_dt_s, conventions.action_horizon,
                                  action_dt_s)
@@ -642,6 +646,20 @@ def settings_from_values(values: Mapping[str, Any], log: Callable[[str], None] |
             duplicate_radius_m=float(v["memory.store.duplicate_radius_m"]),
             duplicate_text_similarity=float(v["memory.store.duplicate_text_similarity"]),
             prune_every_s=float(v["memory.store.prune_every_s"])))
+
+
+def node_parameter_names(message: str) -> str:
+    """``message`` (an :class:`EngineConfig` error) with the engine's names of the action task's fields
+    (``action.control_rate_hz``) replaced by the node's parameter names (``control_rate_hz``): the node
+    declares those fields at top level; the engine's other names (``engine.*``, ``rtc.*``, ``speech.*``)
+    already are the parameters'."""
+    renames = {".".join(d.engine_path): name for name, d in DECLARATIONS.items()
+               if d.engine_path and ".".join(d.engine_path) != name and d.engine_path[0] == "action"}
+    if not renames:
+        return message
+    pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, sorted(renames, key=len, reverse=True)))
+                         + r")(?!\w)")
+    return pattern.sub(lambda match: renames[match.group(1)], message)
 
 
 def _resolve_rate_floor(engine: EngineConfig, span_s: float, horizon: int, action_dt_s: float) -> EngineConfig:
