@@ -50,11 +50,46 @@ def test_an_output_directory_with_a_recording_is_refused(demo, tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--duration", "0"], ["--duration", "-1"], ["--startup-timeout", "0"],
-                                  ["--max-duration", "-5"], ["--control-rate", "0"]])
+                                  ["--configure-timeout", "0"], ["--max-duration", "-5"], ["--control-rate", "0"]])
 def test_non_positive_durations_are_usage_errors(demo, argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         demo.parse_args(argv)
     assert exit_info.value.code == 2 and "must be > 0" in capsys.readouterr().err
+
+
+def test_the_startup_limit_counts_from_the_nodes_activation(demo):
+    """A first run compiles for minutes before the node is active: the limit for the first chunk starts at
+    activation; configuring has a limit of its own, and says how long it has taken while it runs."""
+    class Node:
+        active = False
+
+        def receiving(self):
+            return self.active
+
+    class Log:
+        def __init__(self):
+            self.lines = []
+
+        def info(self, line):
+            self.lines.append(line)
+
+    now, node, log = [0.0], Node(), Log()
+    startup = demo.StartupClock(node, configure_timeout=600, startup_timeout=120, log=log, clock=lambda: now[0])
+    for now[0] in (10.0, 35.0, 50.0, 300.0, 599.0):
+        assert startup.expired() is None                  # configuring for up to 600 s is no failure
+    assert [line.split(";")[0] for line in log.lines] == [     # at most one line per 30 s
+        "the node is still configuring (35 s", "the node is still configuring (300 s",
+        "the node is still configuring (599 s"]
+    assert log.lines[0].endswith("a first run on this machine compiles the denoising steps)")
+    node.active, now[0] = True, 599.5
+    assert startup.expired() is None and startup.active_after == 599.5
+    now[0] = 719.0
+    assert startup.expired() is None                  # 119.5 s after the activation
+    now[0] = 720.0
+    assert startup.expired() == "no action chunk within 120 s of the node's activation"
+    stuck = demo.StartupClock(Node(), configure_timeout=600, startup_timeout=120, clock=lambda: now[0])
+    now[0] += 600.5
+    assert stuck.expired() == "the node did not configure and activate within 600 s"
 
 
 def test_the_demo_runs_an_adaptive_rate_by_default_and_a_fixed_one_on_request(demo, capsys):

@@ -83,6 +83,25 @@ def test_summary_shows_the_task_outcome_the_subtasks_spoken_and_captions(tmp_pat
     assert "memory entries     3 " in text and "; 2 captions (in order, repeats collapsed):" in text
 
 
+def test_summary_counts_the_cycles_per_intra_op_thread_count():
+    from dataclasses import asdict
+
+    from oxygen_ros.engine.metrics import CycleRecord
+    from oxygen_ros.tools.report import RunData, format_summary, summarize
+
+    def cycle(seq, threads):
+        return asdict(CycleRecord(seq=seq, frame_latency_s=0.1, action_latency_s=0.08, encode_s=0.01, prefill_s=0.02,
+                                  denoise_s=0.05, decode_s=0.01, decode_steps=1, batch_sizes=[1], vision_calls=1,
+                                  images_encoded=1, prefilled_tokens=10, generated_tokens=1, deadline_missed=False,
+                                  pool_used_bytes=0, intra_op_threads=threads))
+
+    summary = summarize(RunData(cycles=[cycle(0, 2), cycle(1, 1), cycle(2, 1)]))
+    assert summary["intra_op_threads_cycles"] == {"1": 2, "2": 1}
+    assert "over 3 cycles; intra-op threads 1 (2 cycles), 2 (1 cycles)" in format_summary(summary)
+    older = [{k: v for k, v in c.items() if k != "intra_op_threads"} for c in (cycle(0, 1), cycle(1, 1))]
+    assert "intra-op threads" not in format_summary(summarize(RunData(cycles=older)))   # records of an older engine
+
+
 def test_summary_without_an_outcome_says_so(tmp_path):
     from oxygen_ros.tools.report import format_summary, summarize, RunData
 

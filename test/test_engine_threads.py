@@ -104,6 +104,37 @@ def test_probe_cycles_move_the_count_to_the_faster_one_and_back(tmp_path, monkey
     assert policy.threads == 2 and policy.changes == 2
 
 
+def test_what_the_probes_chose_survives_a_load_that_comes_and_goes(tmp_path, monkeypatch):
+    """Beside a bursty load the free cores' target flips 2 -> 1 -> 2; the count the probes found faster under
+    target 2 is kept when that target returns, and a probe's win still counts across such a flip."""
+    monkeypatch.setattr(threads_mod.os, "sched_getaffinity", lambda _pid: {0, 1})
+    torch.set_num_threads(2)
+    machine = Machine(tmp_path / "stat")
+    policy = machine.policy()
+    seconds = {1: 0.10, 2: 0.20}            # two threads slower although the windows see a free core
+
+    def cycle(others=0.0):
+        machine.tick(0.2, others, 1.0)
+        count = policy.update()
+        policy.observe(seconds[count])
+        return count
+
+    def burst():                             # two windows with a core busy, then two with it free
+        return [cycle(1.0), cycle(1.0), cycle(), cycle()]
+
+    used = [cycle() for _ in range(threads_mod.PROBE_EVERY)]
+    assert used[-1] == 1 and policy.threads == 2             # the first probe won ...
+    assert burst()[1:] == [1, 1, 2] and policy.target == 2   # ... the target flips to 1 and back ...
+    used = [cycle() for _ in range(threads_mod.PROBE_EVERY - 4)]
+    assert policy.threads == 1 and policy.changes == 3       # ... and the second probe's win still counts
+    assert burst() == [1, 1, 1, 1] and policy.target == 2    # 2 -> 1 -> 2 again: the probed count stays
+    assert policy.threads == 1 and policy.changes == 3
+    seconds = {1: 0.20, 2: 0.10}            # the up-probes find two threads faster again
+    for _ in range(2 * threads_mod.PROBE_EVERY):
+        cycle()
+    assert policy.threads == 2 and policy.changes == 4
+
+
 def test_a_fixed_setting_and_off_the_cpu_stay_put(tmp_path):
     machine = Machine(tmp_path / "stat")
     torch.set_num_threads(2)
@@ -131,8 +162,8 @@ def test_the_engine_applies_its_setting():
     torch.set_num_threads(2)
     model = tiny_model(0)
     engine = Engine(model, ByteIO(model.config), engine_config("unified", intra_op_threads=1))
-    engine.run_cycle(observation(0))
-    assert torch.get_num_threads() == 1
+    result = engine.run_cycle(observation(0))
+    assert torch.get_num_threads() == 1 and result.record.intra_op_threads == 1   # the record says what ran
 
 
 def test_the_threads_bench_interleaves_settings_and_ends_its_hog(tmp_path, capsys):

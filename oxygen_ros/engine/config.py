@@ -474,7 +474,8 @@ class EngineConfig:
                                  "leave free (measured from /proc/stat over the engine's construction and over "
                                  "every control cycle, a change applied after two windows agree), re-checked by "
                                  "the cycle times (every 20th cycle runs at a neighbouring count; two probes 10 % "
-                                 "faster in a row switch to it; oxygen_ros/engine/threads.py); n = exactly n; "
+                                 "faster in a row switch to it, and the count stays the probes' choice when the free "
+                                 "cores allow that target again; oxygen_ros/engine/threads.py); n = exactly n; "
                                  "process-wide; ignored off the CPU",
                                  low=0, high=1024, when=STRUCTURAL)
     cpu_compile: bool = knob(False, "on the CPU in fp32, run each Euler step of the denoising loop as a graph "

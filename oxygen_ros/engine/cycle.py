@@ -116,6 +116,7 @@ class ControlLoop:
         ``dropped``.
         """
         self.core.threads.apply()
+        threads = torch.get_num_threads() if self.core.threads.enabled else 0
         t0 = time.perf_counter()
         meter = self.meter()
         for robot in self.robots.values():
@@ -147,7 +148,7 @@ class ControlLoop:
             self.core.planner.tree.clear()
             self.core.threads.update()      # the next cycle's count, off this cycle's action path
         end = time.perf_counter()
-        self._report(meter, frames, chunks, deadlines, end - t0, end, overloaded, result)
+        self._report(meter, frames, chunks, deadlines, end - t0, end, overloaded, threads, result)
         return result
 
     def warm_up(self, observations: Mapping[Hashable, Observation],
@@ -401,13 +402,13 @@ class ControlLoop:
 
     def _report(self, meter: CycleMeter, frames: dict[Hashable, Frame], chunks: dict[Hashable, ActionChunk],
                 deadlines: Mapping[Hashable, float], frame_latency_s: float, end: float, overloaded: bool,
-                result: FleetResult) -> None:
+                threads: int, result: FleetResult) -> None:
         """Every robot's final events and subtask update; per served robot its chunk, events and record
         (the cycle's, with its own seq, action latency, deadline miss and generated tokens)."""
         for robot in self.robots.values():
             report_ended(robot.scheduler, robot.outputs, robot.subtask)
-        result.record = meter.record(-1, frame_latency_s, max(c.latency_s for c in chunks.values()),
-                                     False, overloaded)
+        result.record = replace(meter.record(-1, frame_latency_s, max(c.latency_s for c in chunks.values()),
+                                             False, overloaded), intra_op_threads=threads)
         peak = self.core.pool.peak_used_bytes
         for robot_id, robot in self.robots.items():
             events = robot.outputs.take()

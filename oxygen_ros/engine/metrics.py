@@ -44,6 +44,7 @@ class CycleRecord:
     deadline_missed: bool
     pool_used_bytes: int
     overloaded: bool = False    # the slack could not pay for language's guaranteed minimum
+    intra_op_threads: int = 0   # torch's intra-op CPU threads on the action path (engine/threads.py); 0 off the CPU
 
 
 @dataclass

@@ -17,7 +17,10 @@ processes leave free:
 * re-checked by the cycles' own times: every :data:`PROBE_EVERY` cycles one cycle runs at a neighbouring
   count, and a count whose probes beat the recent cycles' action path by 10 % twice in a row becomes the
   count (so two threads that the free cores would allow but that run slower, e.g. beside a load that comes
-  and goes faster than the windows, give way to one, and back).
+  and goes faster than the windows, give way to one, and back);
+* what the probes chose is remembered per target: when the free cores allow a target again, the count
+  returns to the one the probes chose under it, not to the target (beside a bursty load the target flips
+  between 1 and 2 every few seconds, and resetting the count at each flip undid every probe's finding).
 
 ``intra_op_threads: n >= 1`` fixes the count at ``n``. On a machine without ``/proc/stat`` (not Linux)
 the automatic setting keeps torch's count. Inductor writes the thread count in force at compile time into
@@ -92,8 +95,10 @@ class IntraOpThreads:
     above, the *target*; the cycles' own times choose within that bound: every :data:`PROBE_EVERY`
     cycles one cycle runs at a neighbouring count (one fewer, or one more when below the target), and
     when :data:`AGREEING_SAMPLES` probes in a row of the same count took less than :data:`PROBE_GAIN` of the
-    median action-path time of the recent cycles at the current count, that count becomes the current one.
-    A new target resets the current count to it.
+    median action-path time of the recent cycles at the current count, that count becomes the current one
+    and the count chosen for that target. A new target sets the current count to the count chosen for it,
+    or to the target itself when the probes chose none (or the target when that is lower). The probes' wins
+    count per (target, probed count) across changes of the target; a probe that loses resets its own.
 
     Args:
         setting: ``intra_op_threads``: 0 = follow the machine, n >= 1 = exactly n.
@@ -122,7 +127,8 @@ class IntraOpThreads:
         self._candidate: tuple[int, int] | None = None   # (target, windows that agreed)
         self._times: deque[float] = deque(maxlen=RECENT_CYCLES)
         self._probe: int | None = None                    # the count of the cycle running now, if a probe
-        self._wins: tuple[int, int] | None = None         # (probed count, probes in a row it won)
+        self._wins: dict[tuple[int, int], int] = {}         # (target, probed count) -> probes in a row it won
+        self._chosen: dict[int, int] = {}                  # target -> the count the probes chose under it
         self._cycles = 0
         try:
             self.usable = len(os.sched_getaffinity(0))
@@ -177,12 +183,16 @@ class IntraOpThreads:
             self._times.append(action_seconds)
             return
         probe, self._probe = self._probe, None
-        won = action_seconds < PROBE_GAIN * statistics.median(self._times)
-        agreed = (self._wins[1] + 1 if self._wins and self._wins[0] == probe else 1) if won else 0
-        self._wins = (probe, agreed) if won else None
-        if agreed >= AGREEING_SAMPLES:
+        key = (self.target, probe)
+        if action_seconds < PROBE_GAIN * statistics.median(self._times):
+            self._wins[key] = self._wins.get(key, 0) + 1
+        else:
+            self._wins.pop(key, None)
+        if self._wins.get(key, 0) >= AGREEING_SAMPLES:
             _LOG.info("intra-op threads %d -> %d (probe cycles %.1f ms against %.1f ms)", self.threads, probe,
                       1e3 * action_seconds, 1e3 * statistics.median(self._times))
+            self._chosen[self.target] = probe
+            self._wins = {k: v for k, v in self._wins.items() if k[0] != self.target}
             self._set(probe)
         torch.set_num_threads(self.threads)
 
@@ -195,8 +205,7 @@ class IntraOpThreads:
         if count != self.threads:
             self.threads = count
             self.changes += 1
-        self._times.clear()
-        self._wins = None
+            self._times.clear()
 
     def _measure(self) -> None:
         now = self._sample()
@@ -218,4 +227,4 @@ class IntraOpThreads:
             _LOG.info("intra-op threads %d -> %d (other processes busy on %.2f of %d CPUs)", self.threads, target,
                       others, now[3])
             self.target, self._candidate = target, None
-            self._set(target)
+            self._set(min(target, self._chosen.get(target, target)))

@@ -219,20 +219,59 @@ def _start_robot(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
     return start_child(command, log_path)
 
 
+class StartupClock:
+    """The demo's start-up limits: ``configure_timeout`` s from the demo's start for the node to configure and
+    activate (model load, and on a machine that never ran it the compilation of the denoising steps), then
+    ``startup_timeout`` s from its activation to the first action chunk. While the node configures,
+    :meth:`expired` logs every ``note_every`` s how long it has taken so far.
+
+    Args:
+        node: anything with ``receiving() -> bool`` (True once active; the oxygen node).
+        configure_timeout, startup_timeout, note_every: seconds.
+        log: a logger with ``info`` (None: quiet); clock: monotonic seconds.
+    """
+
+    def __init__(self, node, configure_timeout: float, startup_timeout: float, log=None,
+                 clock=time.monotonic, note_every: float = 30.0):
+        self._node, self._log, self._clock = node, log, clock
+        self.configure_timeout, self.startup_timeout, self._note_every = configure_timeout, startup_timeout, note_every
+        self._start = clock()
+        self._next_note = self._start + note_every
+        self.active_after: float | None = None     # seconds from the start to the node's activation
+
+    def expired(self) -> str | None:
+        """None while within the limits, else why the start-up failed (one line)."""
+        now = self._clock()
+        if self.active_after is None:
+            if self._node.receiving():
+                self.active_after = now - self._start
+            elif now - self._start > self.configure_timeout:
+                return f"the node did not configure and activate within {self.configure_timeout:g} s"
+            else:
+                if now >= self._next_note and self._log is not None:
+                    self._log.info(f"the node is still configuring ({now - self._start:.0f} s; a first run on "
+                                   "this machine compiles the denoising steps)")
+                    self._next_note = now + self._note_every
+                return None
+        if now - self._start - self.active_after > self.startup_timeout:
+            return f"no action chunk within {self.startup_timeout:g} s of the node's activation"
+        return None
+
+
 def settle(args: argparse.Namespace, executor, oxygen, robot: subprocess.Popen, stop: threading.Event,
-           deadline: float, log) -> set[int]:
+           startup: StartupClock, log) -> set[int]:
     """Spin until the node has run ``--settle-cycles`` control cycles (one-time costs, and with the adaptive rate
     its first adjustments to this machine's load, land there, not in the recording); returns their seqs.
 
     Returns early (with the cycles so far) when a stop signal, the robot's exit, a failed autostart or
-    ``deadline`` (a ``time.monotonic()`` instant) comes first: the caller's loop reports those.
+    the ``startup`` limits come first: the caller's loop reports those.
     """
     seqs: set[int] = set()
     if args.settle_cycles == 0:
         return seqs
     log.info(f"settling: {args.settle_cycles} control cycles before the recording starts")
     while not stop.is_set() and robot.poll() is None and oxygen.autostart_failed is None \
-            and time.monotonic() < deadline:
+            and startup.expired() is None:
         executor.spin_once(timeout_sec=0.1)
         engine = oxygen.engine
         if engine is not None:
@@ -249,8 +288,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m oxygen_ros.tools.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--duration", type=float, default=60.0,
                         help="seconds to run once the first action chunk arrived [s] (default 60)")
+    parser.add_argument("--configure-timeout", type=float, default=900.0,
+                        help="give up when the node has not configured and activated within this time [s] "
+                             "(default 900: a machine that never ran the demo compiles its denoising steps, "
+                             "minutes on 2 cores)")
     parser.add_argument("--startup-timeout", type=float, default=120.0,
-                        help="give up when no action chunk arrived within this time [s]")
+                        help="give up when no action chunk arrived within this time of the node's "
+                             "activation [s]")
     parser.add_argument("--min-outputs", type=int, default=0, metavar="N",
                         help="after --duration, keep running until at least N action chunks, N "
                              "completed utterances and N memory entries arrived (default 0: stop at "
@@ -306,7 +350,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--param", action="append", default=[], metavar="NAME:=VALUE",
                         help="any oxygen node parameter (repeatable), e.g. --param dtype:=bfloat16")
     args = parser.parse_args(argv)
-    for name in ("duration", "startup_timeout", "max_duration"):
+    for name in ("duration", "configure_timeout", "startup_timeout", "max_duration"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0 s, got {getattr(args, name)}")
     if args.settle_cycles < 0:
@@ -381,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             executor.add_node(node)
         log = follower.get_logger()
         log.info(f"run directory {run_dir}; robot log {run_dir / 'sim_robot.log'}")
-        startup_deadline = time.monotonic() + args.startup_timeout
-        follower.restart(settle(args, executor, oxygen, robot, stop, startup_deadline, log))
+        startup = StartupClock(oxygen, args.configure_timeout, args.startup_timeout, log)
+        follower.restart(settle(args, executor, oxygen, robot, stop, startup, log))
         # The recording (and the summary read from it) starts after the settling cycles.
         recorder = BagRecorder(run_dir / "bag", context=context)
         nodes.insert(0, recorder)     # destroyed last
@@ -399,8 +443,9 @@ def main(argv: list[str] | None = None) -> int:
                     log.error(f"the oxygen node's {oxygen.autostart_failed} failed (reason above); no action "
                               "chunk will come")
                     break
-                if now > startup_deadline:
-                    log.error(f"no action chunk within {args.startup_timeout:g} s")
+                problem = startup.expired()
+                if problem:
+                    log.error(problem)
                     break
                 continue
             if now >= next_progress:

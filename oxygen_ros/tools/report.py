@@ -244,6 +244,10 @@ def summarize(data: RunData) -> dict:
         "kv_pool_capacity_bytes": int(last.kv_pool_capacity_bytes) if last else None,
         "cycles_recorded": len(data.cycles),
         "phase_mean_ms": phase_ms,
+        # cycles per intra-op thread count (records of an older engine have none: empty)
+        "intra_op_threads_cycles": {str(n): sum(c.get("intra_op_threads") == n for c in data.cycles)
+                                    for n in sorted({c["intra_op_threads"] for c in data.cycles
+                                                     if c.get("intra_op_threads")})},
         "camera_frames": {topic: len(frames) for topic, frames in data.frames.items()},
         "topics": data.topics,
     }
@@ -270,6 +274,7 @@ def format_summary(summary: dict) -> str:
             " ".join(f"{phase} {'✓' if outcome.get(phase) else '✗'}" for phase in PHASES)
             + f"  (cube seed {outcome.get('seed')}, {num(outcome.get('sim_time_s'), '.1f')} s simulated)")
     rate = summary.get("control_rate_run")
+    threads = ", ".join(f"{n} ({cycles} cycles)" for n, cycles in (summary.get("intra_op_threads_cycles") or {}).items())
     if summary.get("deadline_missed_cycles") is not None:
         misses = (f"{summary['deadline_missed_cycles']} of {summary['cycles_recorded']} cycles "
                   f"({summary['deadline_missed_pct']:.1f} %)")
@@ -286,7 +291,8 @@ def format_summary(summary: dict) -> str:
         f"{num(summary['action_chunks_per_s'])} chunks/s (H = {summary['action_horizon']}: "
         f"{num(summary['action_rate_hz'], '.1f')} actions/s), mean inference latency "
         f"{num(summary['inference_latency_mean_s'] and summary['inference_latency_mean_s'] * 1e3, '.0f')} ms",
-        f"per cycle (mean)   {phases} [ms] over {summary['cycles_recorded']} cycles",
+        f"per cycle (mean)   {phases} [ms] over {summary['cycles_recorded']} cycles"
+        + (f"; intra-op threads {threads}" if threads else ""),
         f"speech             {summary['speech_utterances_final']} utterances ended "
         f"({', '.join(f'{k} {v}' for k, v in summary['speech_by_status'].items())}); "
         f"{num(summary['speech_completed_per_10s'], '.1f')} completed per 10 s",
