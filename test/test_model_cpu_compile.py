@@ -145,3 +145,20 @@ def test_engine_knob_compiles_at_construction_and_keeps_the_chunks():
     assert model.cpu_compile.failed is None
     for got, want in zip(chunks[True], chunks[False]):
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_inductors_cache_goes_to_ours_unless_the_user_chose_one(monkeypatch, tmp_path):
+    """Importing inductor sets $TORCHINDUCTOR_CACHE_DIR to torch's own default (a temporary directory): that
+    counts as unset, so compiled graphs survive a reboot in ~/.cache/oxygen_ros/inductor; a user's choice stays."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    for before in (None, default_cache_dir()):
+        if before is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
+        cpu_compile.use_default_cache_dir()
+        assert cpu_compile.cache_dir() == cpu_compile.DEFAULT_CACHE_DIR
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    cpu_compile.use_default_cache_dir()
+    assert cpu_compile.cache_dir() == tmp_path

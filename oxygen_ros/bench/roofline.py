@@ -19,7 +19,8 @@ Phases (the engine's per-frame work at N language requests, k = 1):
 * ``prefill``: the VLM over the whole prefix (images + prompt, one bidirectional block), K/V written;
 * ``denoise``: the S-step Euler loop of the action expert over the cached prefix;
 * ``decode x1`` / ``decode xN``: one language decode step of 1 and of N requests, each row
-  holding its own copy of the prefix (N rows of K/V read);
+  holding its own copy of the prefix (N rows of K/V read), over the engine's paged KV pool and decode rows
+  as the engine runs it (the token is written in place, never a copy of the cache);
 * ``frame``: vision, prefill, denoise and a decode step of N rows back to back (the model's part
   of an engine frame at N, k = 1).
 
@@ -68,6 +69,9 @@ from typing import Callable, Iterator
 import torch
 
 from oxygen_ros.bench.cpu_paths import cpu_kernel_choice, cpu_kernels
+from oxygen_ros.engine.block_pool import BlockPool
+from oxygen_ros.engine.kv_cache_manager import KVCacheManager
+from oxygen_ros.engine.model_runner import ModelRunner, PrefillRow
 from oxygen_ros.models import PRESETS, DenseKVCache, VLAConfig, cpu_fast_paths, get_preset, load_model, native
 from oxygen_ros.models.rtc import RTCGuidance, prefix_weights
 
@@ -317,13 +321,26 @@ def build_phases(preset: str | VLAConfig, cameras: int, prompt_len: int, steps: 
         return model.denoise(kv.begin(None), noise, num_steps=steps, state=state)
 
     def decoder(rows: int):
-        kv = DenseKVCache(c.vlm_num_layers, rows, c.num_kv_heads, c.head_dim, model.dtype, dev)
-        row_lens = lens.expand(rows).contiguous()
-        model.prefill(embeds.expand(rows, -1, -1), kv.begin(row_lens), row_lens, need_logits=False)
-        kv.commit()
-        tokens, ones = torch.full((rows,), 5, dtype=torch.long), torch.ones(rows, dtype=torch.long)
-        # Not committed: every call decodes at the same position, so the rows do not grow.
-        return lambda: model.decode_step(tokens, kv.begin(ones))
+        # As the engine decodes: paged KV and its decode rows (engine/kv_cache_manager.py), each row its own
+        # copy of the prefix (a cross-frame batch); no per-step copy of the cache.
+        n = int(lens[0])
+        per_token = 2 * c.vlm_num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+        pool = BlockPool(c.vlm_num_layers, c.num_kv_heads, c.head_dim, 16, rows * (n + 32) * per_token,
+                         dtype=model.dtype, device=dev)
+        manager = KVCacheManager(pool)
+        runner = ModelRunner(model, None, manager, cuda_graphs=False)
+        seqs = [manager.new_sequence() for _ in range(rows)]
+        for seq in seqs:
+            manager.reserve([seq], [n])
+            runner.prefill([PrefillRow(seq, embeds[0, :n], n)], logits=False)
+            manager.prepare_append(seq, 1)
+        tokens = torch.full((rows,), 5, dtype=torch.long, device=dev)
+
+        def step():
+            # Not committed: every call decodes at the same position, so the rows do not grow.
+            view, _ = manager.decode_view(seqs)
+            return model.decode_step(tokens, view)
+        return step
 
     decode_one, decode_batch = decoder(1), decoder(batch)
 

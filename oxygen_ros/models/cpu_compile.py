@@ -48,8 +48,26 @@ _GUIDED_OPTIONS = {"cpp_wrapper": True}
 
 def cache_dir() -> Path:
     """Where inductor keeps its compiled code: ``$TORCHINDUCTOR_CACHE_DIR``, set to
-    :data:`DEFAULT_CACHE_DIR` by :class:`CompiledVelocity` when unset."""
+    :data:`DEFAULT_CACHE_DIR` by :class:`CompiledVelocity` unless the user chose another (see
+    :func:`use_default_cache_dir`)."""
     return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or DEFAULT_CACHE_DIR)
+
+
+def use_default_cache_dir() -> None:
+    """Point inductor's cache at :data:`DEFAULT_CACHE_DIR` unless the user set ``$TORCHINDUCTOR_CACHE_DIR``.
+
+    Importing inductor (transformers does, long before a model is built) already sets the variable to torch's
+    own default, a directory under the system's temporary directory that a reboot may empty — so a value equal
+    to torch's default counts as unset. Inductor reads the variable at each use, so setting it here, before the
+    first compile, is enough."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        torch_default = os.path.abspath(default_cache_dir())
+    except (ImportError, AttributeError):   # another torch: only an unset variable is ours to set
+        torch_default = None
+    if current is None or os.path.abspath(current) == torch_default:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(DEFAULT_CACHE_DIR)
 
 
 class CompiledVelocity:
@@ -76,7 +94,7 @@ class CompiledVelocity:
     """
 
     def __init__(self) -> None:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(DEFAULT_CACHE_DIR))
+        use_default_cache_dir()
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
         self._compiled: dict[bool, Callable] = {}
