@@ -96,9 +96,9 @@ class IntraOpThreads:
     cycles one cycle runs at a neighbouring count (one fewer, or one more when below the target), and
     when :data:`AGREEING_SAMPLES` probes in a row of the same count took less than :data:`PROBE_GAIN` of the
     median action-path time of the recent cycles at the current count, that count becomes the current one
-    and the count chosen for that target. A new target sets the current count to the count chosen for it,
-    or to the target itself when the probes chose none (or the target when that is lower). The probes' wins
-    count per (target, probed count) across changes of the target; a probe that loses resets its own.
+    and the count chosen for that target. A new target sets the current count to the count the probes chose
+    under it, or to the target itself when they chose none. The probes' wins count per (target, probed count)
+    across changes of the target; a probe that loses resets its own.
 
     Args:
         setting: ``intra_op_threads``: 0 = follow the machine, n >= 1 = exactly n.
