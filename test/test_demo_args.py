@@ -77,10 +77,10 @@ def test_the_startup_limit_counts_from_the_nodes_activation(demo):
     startup = demo.StartupClock(node, configure_timeout=600, startup_timeout=120, log=log, clock=lambda: now[0])
     for now[0] in (10.0, 35.0, 50.0, 300.0, 599.0):
         assert startup.expired() is None                  # configuring for up to 600 s is no failure
-    assert [line.split(";")[0] for line in log.lines] == [     # at most one line per 30 s
+    assert [line.split(":")[0] for line in log.lines] == [     # at most one line per 30 s
         "the node is still configuring (35 s", "the node is still configuring (300 s",
         "the node is still configuring (599 s"]
-    assert log.lines[0].endswith("a first run on this machine compiles the denoising steps)")
+    assert log.lines[0].endswith("loading the model; a first run on this machine also compiles the denoising steps)")
     node.active, now[0] = True, 599.5
     assert startup.expired() is None and startup.active_after == 599.5
     now[0] = 719.0

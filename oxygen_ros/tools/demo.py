@@ -223,7 +223,8 @@ class StartupClock:
     """The demo's start-up limits: ``configure_timeout`` s from the demo's start for the node to configure and
     activate (model load, and on a machine that never ran it the compilation of the denoising steps), then
     ``startup_timeout`` s from its activation to the first action chunk. While the node configures,
-    :meth:`expired` logs every ``note_every`` s how long it has taken so far.
+    :meth:`expired` logs every ``note_every`` s how long it has taken so far. A configure step in progress
+    (a compile) cannot be interrupted: after a limit or a signal the demo ends when that step returns.
 
     Args:
         node: anything with ``receiving() -> bool`` (True once active; the oxygen node).
@@ -249,13 +250,22 @@ class StartupClock:
                 return f"the node did not configure and activate within {self.configure_timeout:g} s"
             else:
                 if now >= self._next_note and self._log is not None:
-                    self._log.info(f"the node is still configuring ({now - self._start:.0f} s; a first run on "
-                                   "this machine compiles the denoising steps)")
+                    self._log.info(f"the node is still configuring ({now - self._start:.0f} s: loading the model; "
+                                   "a first run on this machine also compiles the denoising steps)")
                     self._next_note = now + self._note_every
                 return None
         if now - self._start - self.active_after > self.startup_timeout:
             return f"no action chunk within {self.startup_timeout:g} s of the node's activation"
         return None
+
+
+def _end_tqdm_monitor() -> None:
+    """End tqdm's monitor thread (started by a progress bar while the model's files load), so the check for
+    threads left at exit reports only ours."""
+    tqdm = sys.modules.get("tqdm")
+    monitor = getattr(getattr(tqdm, "tqdm", None), "monitor", None)
+    if monitor is not None:
+        monitor.exit()
 
 
 def settle(args: argparse.Namespace, executor, oxygen, robot: subprocess.Popen, stop: threading.Event,
@@ -280,7 +290,9 @@ def settle(args: argparse.Namespace, executor, oxygen, robot: subprocess.Popen, 
                 break
     rate = oxygen.control_rate
     if rate is not None:
-        log.info(f"settled after {len(seqs)} cycles at {rate.hz:g} Hz")
+        done = (f"settled after {len(seqs)}" if len(seqs) >= args.settle_cycles
+                else f"settling ended after {len(seqs)} of {args.settle_cycles}")
+        log.info(f"{done} cycles at {rate.hz:g} Hz")
     return seqs
 
 
@@ -294,7 +306,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "minutes on 2 cores)")
     parser.add_argument("--startup-timeout", type=float, default=120.0,
                         help="give up when no action chunk arrived within this time of the node's "
-                             "activation [s]")
+                             "activation [s] (default 120)")
     parser.add_argument("--min-outputs", type=int, default=0, metavar="N",
                         help="after --duration, keep running until at least N action chunks, N "
                              "completed utterances and N memory entries arrived (default 0: stop at "
@@ -458,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
             if elapsed >= args.duration and (enough or elapsed >= args.max_duration):
                 status = 0
                 break
+        if stop.is_set() and follower.first_chunk_time is None:
+            log.error("stopped by a signal before the first action chunk")
+        if not oxygen.receiving() and not oxygen.autostart_failed:
+            log.info("waiting for the node's configure step to return (it cannot be interrupted mid-compile)")
         follower.collect_cycles()
     finally:
         stop_child(robot)
@@ -488,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report.format_summary(result))
     print(f"robot process {robot.pid} ended (exit status {robot.returncode})")
     print(f"demo wall time {time.monotonic() - wall_start:.1f} s; run directory {run_dir}")
+    _end_tqdm_monitor()
     leftover = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
     if leftover:    # would run on into interpreter teardown (and may abort the process there)
         print(f"warning: threads still running at exit: {leftover}", file=sys.stderr)
