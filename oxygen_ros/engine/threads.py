@@ -227,4 +227,4 @@ class IntraOpThreads:
             _LOG.info("intra-op threads %d -> %d (other processes busy on %.2f of %d CPUs)", self.threads, target,
                       others, now[3])
             self.target, self._candidate = target, None
-            self._set(min(target, self._chosen.get(target, target)))
+            self._set(self._chosen.get(target, target))   # a probe never goes above its target

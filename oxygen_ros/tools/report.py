@@ -24,6 +24,7 @@ import argparse
 import bisect
 import json
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -245,9 +246,8 @@ def summarize(data: RunData) -> dict:
         "cycles_recorded": len(data.cycles),
         "phase_mean_ms": phase_ms,
         # cycles per intra-op thread count (records of an older engine have none: empty)
-        "intra_op_threads_cycles": {str(n): sum(c.get("intra_op_threads") == n for c in data.cycles)
-                                    for n in sorted({c["intra_op_threads"] for c in data.cycles
-                                                     if c.get("intra_op_threads")})},
+        "intra_op_threads_cycles": {str(n): k for n, k in sorted(Counter(
+            c["intra_op_threads"] for c in data.cycles if c.get("intra_op_threads")).items())},
         "camera_frames": {topic: len(frames) for topic, frames in data.frames.items()},
         "topics": data.topics,
     }
