@@ -1,7 +1,8 @@
 """Shared test fixtures.
 
 ROS tests run on real rclpy with Fast DDS over loopback. Each pytest run picks its own ROS_DOMAIN_ID
-(from the process id) and keeps discovery on localhost, so parallel runs on one machine don't cross.
+(from the process id), each of its pytest-xdist workers (``make test`` runs two) one of its own, and keeps
+discovery on localhost, so parallel runs and workers on one machine don't cross.
 Tests that need ROS (rclpy + the colcon install space) are marked ``ros`` and skip cleanly when run
 outside ``make test``'s environment. Tests that start rclpy nodes (over DDS in this process, or node
 processes) are marked ``dds`` (a test using ``ros_context`` is marked here) and slow ones ``slow``: ``make
@@ -30,7 +31,9 @@ Two guards against a hung run:
   diagnosable failure, not a CI timeout. pytest itself cancels that watchdog when a test fails (its
   ``pytest_exception_interact`` hook) and only arms it around tests; the hooks below re-arm it for the rest
   of a failing test (unless ``--pdb``) and arm it for collection and for the end of the session through the
-  interpreter's exit (``atexit``, the last collections, non-daemon threads). pytest-timeout is not used: its
+  interpreter's exit (``atexit``, the last collections, non-daemon threads). Under pytest-xdist (``make
+  test``) every worker has this watchdog; the controller, which runs no test, re-arms its own at every report a
+  worker sends. pytest-timeout is not used: its
   ``thread`` method dumps from a Python thread, which cannot run while the main thread holds the GIL, and its
   ``signal`` method runs its handler in the main thread, which is the one hung. ``-o
   faulthandler_timeout=0`` disables the watchdog.
@@ -48,7 +51,21 @@ from typing import Callable
 
 import pytest
 
-os.environ.setdefault("ROS_DOMAIN_ID", str(1 + os.getpid() % 100))
+
+def _test_domain_id() -> str:
+    """The ROS domain of this test process. The run's domain is the user's ``ROS_DOMAIN_ID`` if set, else one
+    from the run's process id (1..100), and a serial run uses it; a pytest-xdist worker (``PYTEST_XDIST_WORKER``
+    ``gw<N>``) inherits the run's domain from its controller (``OXYGEN_TEST_DOMAIN_ID``, set here before the
+    workers start) and takes the (N+1)-th one after it, so that the workers' nodes never meet."""
+    run = os.environ.get("OXYGEN_TEST_DOMAIN_ID") or os.environ.get("ROS_DOMAIN_ID") or str(1 + os.getpid() % 100)
+    os.environ["OXYGEN_TEST_DOMAIN_ID"] = run
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and run.isdigit():
+        return str(1 + (int(run) + int(worker[2:])) % 100)
+    return run
+
+
+os.environ["ROS_DOMAIN_ID"] = _test_domain_id()
 os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
 os.environ.setdefault("RMW_IMPLEMENTATION", "rmw_fastrtps_cpp")
 
@@ -242,6 +259,17 @@ def pytest_configure(config):
         _watch["fd"] = os.dup(2)     # output capture is suspended here: the real stderr
     except OSError:
         _watch["fd"] = None
+    # pytest-xdist's controller (``-n N``, N >= 1) runs no test itself, so pytest never re-arms its watchdog
+    _watch["controller"] = config if (not hasattr(config, "workerinput")
+                                      and getattr(config.option, "numprocesses", None)) else None
+
+
+def pytest_runtest_logreport(report):
+    """In pytest-xdist's controller the watchdog restarts at every report a worker sends (each phase of each
+    test): it fires only when no worker has reported for the whole timeout (a worker's own watchdog ends a hung
+    test first), not 900 s into a healthy run."""
+    if _watch.get("controller") is not None:
+        _arm_watchdog(_watch["controller"])
 
 
 def pytest_sessionstart(session):
@@ -276,12 +304,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "ros_context" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.dds)     # its rclpy context is there to start nodes
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _long_modules_first(items)
     if ROS_AVAILABLE:
         return
     skip = pytest.mark.skip(reason="rclpy or the built oxygen_ros messages are not importable: run `make test`")
     for item in items:
         if "ros" in item.keywords:
             item.add_marker(skip)
+
+
+# A test marked slow (a build, a benchmark end to end, the demo: 10-190 s on 2 cores) against one that only starts
+# nodes (dds: 2-20 s), for the order of modules under pytest-xdist.
+SLOW_WEIGHT = 5
+
+
+def _long_modules_first(items: list) -> None:
+    """Reorder ``items`` in place, module by module, by the module's expected length: :data:`SLOW_WEIGHT` per
+    ``slow`` test plus one per other ``dds`` test (most first; ties and the tests inside a module keep their
+    order). pytest-xdist's ``--dist loadfile`` hands out whole modules in collection order: the long ones first,
+    the short ones fill in at the end, and the workers finish together instead of one running the packaging
+    build or the demo alone at the end (``make test``)."""
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    weight = {name: sum(SLOW_WEIGHT if "slow" in item.keywords else "dds" in item.keywords for item in group)
+              for name, group in modules.items()}
+    items[:] = [item for name in sorted(modules, key=lambda name: -weight[name]) for item in modules[name]]
 
 
 @pytest.fixture

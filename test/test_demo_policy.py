@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.ros, pytest.mark.slow]
 SEED = 1002          # a cube pose of the evaluation's seeds (outside the training data's seeds 0..99, 2000..2799)
 MAX_STEPS = 200      # 4 s of the 10.6 s episode
 EXECUTE_STEPS = 10
+REPEAT_STEPS = 60    # the determinism check's second episode: the first 1.2 s (6 chunks) again, on a new engine
 # What the shipped policy reaches on SEED within MAX_STEPS in the synchronous lockstep schedule (measured).
 # A retrained policy behaves differently: re-measure and update (docs/demo-policy.md, "The shipped policy").
 # Measured on the shipped policy (four continued stages, the last on the state labels, 2026-12-03): on SEED the
@@ -123,10 +124,10 @@ def test_shipped_checkpoint_matches_its_recorded_conventions(evaluate, shipped):
         info["cameras"]
 
 
-def _episode(evaluate, params: dict) -> dict:
+def _episode(evaluate, params: dict, max_steps: int = MAX_STEPS) -> dict:
     policy = evaluate.EnginePolicy(params)      # the node's loading path: read_settings -> build_engine
     try:
-        record = evaluate.run_sync_episode(policy, SEED, EXECUTE_STEPS, MAX_STEPS)
+        record = evaluate.run_sync_episode(policy, SEED, EXECUTE_STEPS, max_steps)
     finally:
         policy.close()
     record.pop("sheet")
@@ -137,10 +138,14 @@ def test_seeded_sync_episode_on_the_shipped_weights_is_deterministic(evaluate, s
     directory, info = shipped
     params = _params(evaluate, directory)
     first = _episode(evaluate, params)
-    second = _episode(evaluate, params)           # a freshly built engine
-    assert first["flags"] == second["flags"] and first["final_position"] == second["final_position"]
-    assert first["right_distance"] == second["right_distance"]
-    assert first["speech"] == second["speech"] and first["memory"] == second["memory"]
+    # A freshly built engine repeats the episode's start exactly (a shorter episode is the same episode cut: the
+    # length only decides when the lockstep loop stops).
+    second = _episode(evaluate, params, REPEAT_STEPS)
+    chunks = REPEAT_STEPS // EXECUTE_STEPS
+    assert len(second["flags"]) == REPEAT_STEPS and len(second["speech"]) == len(second["memory"]) == chunks
+    assert first["flags"][:REPEAT_STEPS] == second["flags"]
+    assert first["right_distance"][:REPEAT_STEPS] == second["right_distance"]
+    assert first["speech"][:chunks] == second["speech"] and first["memory"][:chunks] == second["memory"]
     assert first["resets"] == 0 and len(first["flags"]) == MAX_STEPS
 
     flags = np.asarray(first["flags"], bool)

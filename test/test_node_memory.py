@@ -276,7 +276,8 @@ def test_a_store_that_cannot_be_opened_fails_configure_with_the_reason(tmp_path)
     not_a_database.write_bytes(b"this is not an SQLite file" * 100)
     h = Harness(tiny_parameters(**{"memory.store.path": str(not_a_database)}))
     try:
-        assert wait_for(lambda: h.node.configure_error is not None, 30.0)
+        # the reason is recorded inside the configure callback, the state changes when the callback has returned
+        assert wait_for(lambda: h.node.configure_error is not None and h.node.lifecycle_state != "configuring", 30.0)
         assert h.node.lifecycle_state == "unconfigured"
         assert "not a database" in h.node.configure_error
         assert h.node.engine is None       # refused before the model was loaded

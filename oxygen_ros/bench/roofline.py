@@ -324,7 +324,7 @@ def build_phases(preset: str | VLAConfig, cameras: int, prompt_len: int, steps: 
         # As the engine decodes: paged KV and its decode rows (engine/kv_cache_manager.py), each row its own
         # copy of the prefix (a cross-frame batch); no per-step copy of the cache.
         n = int(lens[0])
-        per_token = 2 * c.vlm_num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+        per_token = BlockPool.token_bytes(c.vlm_num_layers, c.num_kv_heads, c.head_dim, model.dtype)
         pool = BlockPool(c.vlm_num_layers, c.num_kv_heads, c.head_dim, 16, rows * (n + 32) * per_token,
                          dtype=model.dtype, device=dev)
         manager = KVCacheManager(pool)

@@ -40,14 +40,19 @@ class BlockPool:
         ValueError: the budget cannot hold a single page, or a size is not positive.
     """
 
+    @staticmethod
+    def token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes one token's K and V take over all layers: ``2 * num_layers * num_kv_heads * head_dim *
+        itemsize`` (a page holds ``block_size`` of them)."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  budget_bytes: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
         if min(num_layers, num_kv_heads, head_dim, block_size) < 1:
             raise ValueError("num_layers, num_kv_heads, head_dim and block_size must be >= 1")
-        itemsize = torch.empty((), dtype=dtype).element_size()
         self.block_size = block_size
-        self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+        self.bytes_per_block = block_size * self.token_bytes(num_layers, num_kv_heads, head_dim, dtype)
         self.num_blocks = budget_bytes // self.bytes_per_block
         if self.num_blocks < 1:
             raise ValueError(f"KV budget {budget_bytes} B is below one page ({self.bytes_per_block} B)")
