@@ -52,16 +52,24 @@ from typing import Callable
 import pytest
 
 
+# ROS domains a pytest run takes: its own (a serial run's) and one per pytest-xdist worker of `make test`'s two.
+RUN_DOMAINS = 3
+
+
 def _test_domain_id() -> str:
-    """The ROS domain of this test process. The run's domain is the user's ``ROS_DOMAIN_ID`` if set, else one
-    from the run's process id (1..100), and a serial run uses it; a pytest-xdist worker (``PYTEST_XDIST_WORKER``
-    ``gw<N>``) inherits the run's domain from its controller (``OXYGEN_TEST_DOMAIN_ID``, set here before the
-    workers start) and takes the (N+1)-th one after it, so that the workers' nodes never meet."""
-    run = os.environ.get("OXYGEN_TEST_DOMAIN_ID") or os.environ.get("ROS_DOMAIN_ID") or str(1 + os.getpid() % 100)
-    os.environ["OXYGEN_TEST_DOMAIN_ID"] = run
+    """The ROS domain of this test process. A run's domain is the user's ``ROS_DOMAIN_ID`` if set, else the first
+    of a block of :data:`RUN_DOMAINS` chosen by the run's process id (1, 4, ... 97); a serial run uses it. A
+    pytest-xdist worker (``PYTEST_XDIST_WORKER`` ``gw<N>``) inherits the run's domain from its controller
+    (``OXYGEN_TEST_DOMAIN_ID``, set here before the workers start) and takes the (N+1)-th after it: runs started
+    together (consecutive process ids) get disjoint blocks, and a run's workers never meet. With a user's domain,
+    two runs at once share theirs (as any two processes on that domain do)."""
+    run = os.environ.get("OXYGEN_TEST_DOMAIN_ID")
+    if run is None:
+        run = os.environ.get("ROS_DOMAIN_ID") or str(1 + RUN_DOMAINS * (os.getpid() % (99 // RUN_DOMAINS)))
+        os.environ["OXYGEN_TEST_DOMAIN_ID"] = run
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw") and worker[2:].isdigit() and run.isdigit():
-        return str(1 + (int(run) + int(worker[2:])) % 100)
+        return str(int(run) + 1 + int(worker[2:]))
     return run
 
 
