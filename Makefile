@@ -15,13 +15,14 @@ setup:
 # first) instead of xdist's (most tests first, which left the packaging build and the demo to run alone at the
 # end). PYTEST_ARGS passes options (`make test PYTEST_ARGS="-x"`).
 TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
-	@$(WITH_ENV) pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	@$(WITH_ENV) pytest $(PARALLEL) $(PYTEST_ARGS)
 
 # The inner loop of a change: the unit tests of models, engine, node helpers and tools, without the tests that start
 # rclpy nodes (marker dds) or take long (slow); `make test` runs everything. PYTEST_ARGS passes options.
 test-fast: setup
-	@$(WITH_ENV) OXYGEN_TEST_FAST=1 pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not dds and not slow" $(PYTEST_ARGS)
+	@$(WITH_ENV) OXYGEN_TEST_FAST=1 pytest $(PARALLEL) -m "not dds and not slow" $(PYTEST_ARGS)
 
 demo: setup
 	@$(WITH_ENV) python -m oxygen_ros.tools.demo $(DEMO_ARGS)
