@@ -13,4 +13,7 @@ else
 fi
 OXYGEN_REQ_HASH=$( { echo "$OXYGEN_MODE"; cat "$OXYGEN_ROOT"/requirements/*.txt; } | sha256sum | cut -c1-16)
 OXYGEN_VENV=${OXYGEN_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/oxygen_ros/venv-$OXYGEN_REQ_HASH}
-export OXYGEN_ROOT OXYGEN_MODE OXYGEN_VENV
+# The compiler cache of the colcon builds (`make setup`'s and the packaging test's): ccache keeps the
+# compiled message typesupport, so a clone or a test workspace built before compiles nothing again.
+OXYGEN_CCACHE_DIR=${OXYGEN_CCACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/oxygen_ros/ccache}
+export OXYGEN_ROOT OXYGEN_MODE OXYGEN_VENV OXYGEN_CCACHE_DIR

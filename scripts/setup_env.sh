@@ -36,6 +36,17 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libOSMesa\.so'; then
   fi
 fi
 
+# ---- 0b. ccache, the compiler cache of the colcon builds (scripts/common.sh) -----------------------------
+# Optional: without it every colcon build compiles the message typesupport again (~1 min of CPU), which
+# is all it costs, so a failed install is only a note.
+if ! command -v ccache >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  log "installing ccache (apt-get)"
+  mkdir -p "$ROOT/log"
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ccache \
+      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ccache; }; } \
+    >"$ROOT/log/apt-ccache.log" 2>&1 || log "apt-get install ccache failed (log/apt-ccache.log): builds run without a compiler cache"
+fi
+
 # ---- 1. virtual environment and dependencies -------------------------------------------------------
 req_hash=$OXYGEN_REQ_HASH
 stamp="$VENV/.oxygen-deps"
@@ -94,10 +105,17 @@ if [ "$(cat "$build_stamp" 2>/dev/null)" != "$build_hash" ]; then
       export AMENT_PREFIX_PATH="$VENV${AMENT_PREFIX_PATH:+:$AMENT_PREFIX_PATH}"
     fi
     mkdir -p "$ROOT/log"
+    launcher=()
+    if command -v ccache >/dev/null; then
+      # Paths below the repository enter the cache key relative to the build directory, so another
+      # clone (or the packaging test's workspace) finds this build's objects.
+      export CCACHE_DIR=$OXYGEN_CCACHE_DIR CCACHE_BASEDIR=$ROOT CCACHE_NOHASHDIR=1 CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-1G}
+      launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+    fi
     python -m colcon build --symlink-install --base-paths "$ROOT" \
       --build-base "$ROOT/build" --install-base "$ROOT/install" \
       --event-handlers console_cohesion- summary- status- \
-      --cmake-args -DPython3_EXECUTABLE="$VENV/bin/python" -DBUILD_TESTING=OFF >"$ROOT/log/colcon-build.log" 2>&1 \
+      --cmake-args -DPython3_EXECUTABLE="$VENV/bin/python" -DBUILD_TESTING=OFF "${launcher[@]}" >"$ROOT/log/colcon-build.log" 2>&1 \
       || { tail -n 60 "$ROOT/log/colcon-build.log" >&2; log "colcon build failed (full log: log/colcon-build.log)"; exit 1; }
   )
   echo "$build_hash" > "$build_stamp"

@@ -51,7 +51,8 @@ def test_colcon_builds_the_repository_as_src_oxygen_ros_in_a_workspace(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLCON")}
     build = subprocess.run([sys.executable, "-m", "colcon", "build", "--packages-select", "oxygen_ros",
                             "--event-handlers", "console_direct-", "--cmake-args",
-                            f"-DPython3_EXECUTABLE={sys.executable}", "-DBUILD_TESTING=ON"],
+                            f"-DPython3_EXECUTABLE={sys.executable}", "-DBUILD_TESTING=ON",
+                            *_compiler_cache(env, tmp_path / "ws")],
                            cwd=tmp_path / "ws", env=env, capture_output=True, text=True)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     install = tmp_path / "ws" / "install" / "oxygen_ros"
@@ -67,6 +68,20 @@ def test_colcon_builds_the_repository_as_src_oxygen_ros_in_a_workspace(tmp_path)
     assert (install / "share" / "oxygen_ros" / "launch" / "oxygen.launch.py").exists()
     _executables_run_with_the_interpreter_they_were_built_for(install, site, tmp_path)
     _colcon_test_runs_the_registered_tests(tmp_path / "ws", source, env)
+
+
+def _compiler_cache(env: dict, workspace: Path) -> list[str]:
+    """CMake arguments (and ``env`` settings) that compile through ccache into the cache `make setup` uses
+    (scripts/common.sh: OXYGEN_CCACHE_DIR), with paths below ``workspace`` keyed relative to the build
+    directory: the message typesupport compiled by an earlier run or by `make setup` is not compiled again
+    (the build still configures, generates, links and installs everything). None without ccache."""
+    import shutil
+
+    if shutil.which("ccache") is None or not env.get("OXYGEN_CCACHE_DIR"):
+        return []
+    env.update(CCACHE_DIR=env["OXYGEN_CCACHE_DIR"], CCACHE_BASEDIR=str(workspace), CCACHE_NOHASHDIR="1",
+               CCACHE_MAXSIZE=env.get("CCACHE_MAXSIZE", "1G"))
+    return ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
 
 
 def _executables_run_with_the_interpreter_they_were_built_for(install, site, tmp_path):
