@@ -95,7 +95,7 @@ build_hash=$( cd "$ROOT" && {
 } | sha256sum | cut -d' ' -f1)
 build_stamp="$ROOT/install/.oxygen-build"
 if [ "$(cat "$build_stamp" 2>/dev/null)" != "$build_hash" ]; then
-  log "colcon build"
+  log "colcon build (messages and the package, about 1-2 min on 2 cores; log/colcon-build.log)"
   (
     cd "$ROOT"
     # shellcheck disable=SC1091
