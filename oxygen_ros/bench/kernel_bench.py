@@ -9,7 +9,12 @@ setting takes one turn (so a machine whose speed drifts slows all settings alike
   scaling: the requests hold a real prefix (every camera of the robot + the action prompt) and then
   ragged numbers of decoded tokens (0..29); either one prefix they all fork (``shared``) or one per
   request, from different observations (``per-request``). Each step appends a token to its
-  requests, so the rows grow by a few hundred tokens over a run, for every setting alike.
+  requests, so the rows grow by a few hundred tokens over a run, for every setting alike. ``--sizes``
+  adds batch sizes between 1 and ``--batch``; from all sizes the table gives the cost of one more
+  request in the step (the least-squares slope of step time over batch size, ms) and the rate of that
+  added work (its FLOP from :func:`oxygen_ros.bench.roofline.count_decode`: the request's row through
+  every product, its attention over its keys, its LM-head row), the figure that decides the ×batch /
+  ×1 ratio: ``ratio = 1 + (batch - 1) · slope / step_1``.
 * **attention**: the attention of one layer of the batched step alone (``gemma.attention`` on
   random fp32 q/K/V of the preset's shapes, every key visible, ``--keys`` keys per row), the part the
   native kernel replaces.
@@ -41,6 +46,7 @@ from oxygen_ros.models import PRESETS, ROBOTS, cpu_fast_paths, get_preset, get_r
 from oxygen_ros.models.gemma import attention
 from oxygen_ros.models.processing import Processor
 from oxygen_ros.bench.engine_bench import decode_rows
+from oxygen_ros.bench.roofline import count_decode
 
 
 def settings() -> list[str]:
@@ -55,8 +61,23 @@ def _apply(setting: str) -> None:
     native.select(None if setting == "torch" else setting.split()[1])
 
 
-def run(preset: str, robot_name: str, batch: int, rounds: int, keys: int, kv_budget_mb: float) -> dict:
-    """Every measurement of the module docstring; seconds (medians) per setting."""
+def slope(sizes: list[int], seconds: list[float]) -> float:
+    """Least-squares slope of ``seconds`` over ``sizes`` (seconds per added request); needs two
+    distinct sizes.
+
+    Raises:
+        ValueError: fewer than two distinct sizes, or lists of different lengths.
+    """
+    if len(sizes) != len(seconds) or len(set(sizes)) < 2:
+        raise ValueError(f"slope needs two distinct sizes with a time each, got {sizes} and {len(seconds)} times")
+    mx, my = statistics.fmean(sizes), statistics.fmean(seconds)
+    return sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sum((x - mx) ** 2 for x in sizes)
+
+
+def run(preset: str, robot_name: str, batch: int, rounds: int, keys: int, kv_budget_mb: float,
+        sizes: tuple[int, ...] = ()) -> dict:
+    """Every measurement of the module docstring; seconds (medians) per setting. ``sizes``: batch
+    sizes measured besides 1 and ``batch``."""
     config = get_preset(preset)
     model = load_model(config, dtype="float32", device="cpu")
     robot = get_robot(robot_name)
@@ -66,7 +87,8 @@ def run(preset: str, robot_name: str, batch: int, rounds: int, keys: int, kv_bud
         if not native.load(name.split()[1]):
             raise RuntimeError(f"{name}: {native.status(name.split()[1])}")
     cfg = model.config
-    results: dict = {"settings": names, "step": {}, "attention": {}}
+    steps = sorted({1, batch, *sizes})
+    results: dict = {"settings": names, "sizes": steps, "step": {}, "attention": {}}
     with cpu_kernel_choice(False):
         try:
             for label, shared in (("shared", True), ("per-request", False)):
@@ -75,20 +97,28 @@ def run(preset: str, robot_name: str, batch: int, rounds: int, keys: int, kv_bud
                 manager = KVCacheManager(pool)
                 runner = ModelRunner(model, processor, manager, cuda_graphs=False)
                 seqs = decode_rows(processor, robot, runner, manager, batch, shared)
-                samples = {(name, size): [] for name in names for size in (1, batch)}
+                start_keys = statistics.fmean(seq.num_tokens for seq in seqs)
+                samples = {(name, size): [] for name in names for size in steps}
                 for round_ in range(rounds + 1):   # round 0 warms up (first calls, packing)
                     for name in names:
                         _apply(name)
-                        for size in (1, batch):
+                        for size in steps:
                             for seq in seqs[:size]:
                                 manager.prepare_append(seq, 1)
                             start = time.perf_counter()
                             runner.decode_step(seqs[:size], [5] * size)
                             if round_:
                                 samples[(name, size)].append(time.perf_counter() - start)
-                results["step"][label] = {
-                    name: {"step_1_s": statistics.median(samples[(name, 1)]),
-                           f"step_{batch}_s": statistics.median(samples[(name, batch)])} for name in names}
+                # The added request's FLOP at the rows' mean length over the run (each step appended a token).
+                mean_keys = round((start_keys + statistics.fmean(seq.num_tokens for seq in seqs)) / 2)
+                added = count_decode(cfg, 2, mean_keys, 4).flop - count_decode(cfg, 1, mean_keys, 4).flop
+                results["step"][label] = {}
+                for name in names:
+                    medians = {f"step_{size}_s": statistics.median(samples[(name, size)]) for size in steps}
+                    per_request = slope(steps, list(medians.values()))
+                    results["step"][label][name] = {**medians, "added_request_s": per_request,
+                                                    "added_request_flop": added,
+                                                    "added_request_flop_per_s": added / per_request if per_request > 0 else None}
                 for seq in seqs:
                     manager.free(seq)
             g = torch.Generator().manual_seed(0)
@@ -119,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="pi05_tiny", choices=sorted(PRESETS))
     parser.add_argument("--robot", default="libero", choices=sorted(ROBOTS))
     parser.add_argument("--batch", type=int, default=30, help="requests in the batched step")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[],
+                        help="more batch sizes to time, between 1 and --batch (the added request's cost is the "
+                             "slope over every size)")
     parser.add_argument("--rounds", type=int, default=20, help="turns of every setting (medians over them)")
     parser.add_argument("--keys", type=int, default=800, help="keys per row in the attention-only part")
     parser.add_argument("--kv-budget-mb", type=float, default=256.0,
@@ -128,11 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.batch, args.rounds, args.keys) < 1 or args.threads < 0 or args.kv_budget_mb <= 0:
         parser.error("--batch, --rounds and --keys must be >= 1, --threads >= 0, --kv-budget-mb > 0")
+    if args.batch < 2 or any(not 1 <= size <= args.batch for size in args.sizes):
+        parser.error("--batch must be >= 2 and every --sizes value in [1, --batch]")
     if get_preset(args.preset).tokenizer != "tiny":
         parser.error(f"--preset {args.preset}: this bench runs the tiny presets (built-in tokenizer)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = run(args.preset, args.robot, args.batch, args.rounds, args.keys, args.kv_budget_mb)
+    results = run(args.preset, args.robot, args.batch, args.rounds, args.keys, args.kv_budget_mb, tuple(args.sizes))
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     results.update(preset=args.preset, robot=args.robot, batch=args.batch, rounds=args.rounds,
                    machine={"platform": platform.platform(), "processor": platform.processor(),
@@ -156,11 +191,17 @@ def _print(results: dict) -> None:
     print(f"\n| decode step, ms | {' | '.join(names)} |")
     print("|---" * (len(names) + 1) + "|")
     for label, per in results["step"].items():
-        for size in (1, batch):
+        for size in results["sizes"]:
             cells = " | ".join(f"{1e3 * per[n][f'step_{size}_s']:.2f}" for n in names)
             print(f"| {size} request(s), {label} prefix | {cells} |")
         ratios = " | ".join(f"{per[n][f'step_{batch}_s'] / per[n]['step_1_s']:.2f}x" for n in names)
         print(f"| {batch}-row / 1-row, {label} prefix | {ratios} |")
+        added = " | ".join(f"{1e3 * per[n]['added_request_s']:.3f}" for n in names)
+        print(f"| one more request (slope), ms, {label} prefix | {added} |")
+        rates = " | ".join("-" if per[n]["added_request_flop_per_s"] is None
+                           else f"{per[n]['added_request_flop_per_s'] / 1e9:.1f}" for n in names)
+        flop = per[names[0]]["added_request_flop"] / 1e6
+        print(f"| its work ({flop:.1f} MFLOP), GFLOP/s, {label} prefix | {rates} |")
     att = results["attention"]
     cells = " | ".join(f"{1e3 * att[n]:.2f}" for n in names)
     print(f"| attention of one layer, {att['batch']} rows x {att['keys']} keys ({att['kv_mb']:.1f} MB K/V) "
