@@ -109,3 +109,15 @@ def test_small_cpu_forwards_run_on_one_thread_and_the_setting_is_restored():
             cpu_fast_paths.use_one_thread_for_small_forwards(0)
     finally:
         torch.set_num_threads(saved)
+
+
+def test_the_small_row_product_gives_f_linear_values_in_row_major_layout():
+    """Up to SMALL_M_ROWS rows the CPU product is computed as (W @ xᵀ)ᵀ; its result is the row-major tensor
+    F.linear gives (not a column-major view the next ops would read strided), with and without a bias."""
+    weight, bias = torch.randn(24, 40), torch.randn(24)
+    for rows in (1, 2, 3, cpu_fast_paths.SMALL_M_ROWS, cpu_fast_paths.SMALL_M_ROWS + 1):
+        x = torch.randn(rows, 1, 40)
+        for b in (None, bias):
+            out = cpu_fast_paths.linear(x, weight, b)
+            assert out.shape == (rows, 1, 24) and out.is_contiguous(), (rows, out.stride())
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), atol=1e-5, rtol=1e-5)

@@ -55,11 +55,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the 1-row cost; whole decode steps of 2-8 requests ran 5-25 % faster, of 12-16 no faster, and
     the denoising loop (10 rows, weights hot in cache) slower, hence the limit of 8. The values
     agree up to fp32 summation order. Elsewhere (more rows, GPUs) it is ``F.linear``.
+
+    The result is contiguous (row-major ``[..., out]``, as ``F.linear``'s): the product's transpose is
+    copied (at most 8 rows, microseconds) rather than returned as a column-major view, which every op
+    after it (splitting Q/K/V, RoPE, norms, the next product) would read strided. Measured in the engine's
+    decode step on the 2-core AVX2 machine (pi05_tiny, one thread; the two layouts alternating step by
+    step in one process, two runs of 12 and 20 rounds): 2 requests 9.8 -> 9.0 and 10.6 -> 8.8 ms,
+    4 requests 9.7 -> 9.1 and 11.6 -> 11.0, 8 requests 12.3 -> 12.4 and 14.8 -> 14.3 (docs/benchmarks.md).
     """
     rows = x.numel() // max(1, x.shape[-1])
     if x.device.type != "cpu" or rows > SMALL_M_ROWS or rows == 0:
         return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t()
+    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
