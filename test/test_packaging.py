@@ -29,6 +29,7 @@ def test_wheel_holds_the_ros_free_library_and_its_console_scripts(tmp_path):
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "Requires-Dist: torch==2.13.0" in metadata
     assert "rclpy" not in metadata
+    assert "Requires-Dist: transformers" not in metadata     # tests only: the library never imports it
 
 
 @pytest.mark.slow     # builds a wheel / a colcon workspace

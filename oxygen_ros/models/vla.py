@@ -28,7 +28,6 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from .config import VLAConfig
 from .cpu_compile import CompiledVelocity
@@ -38,6 +37,7 @@ from .gemma import (AdaRMSNorm, AttentionMask, GemmaStack, RMSNorm, apply_rope, 
 from . import cpu_fast_paths, native
 from .kv_cache import KVCacheView
 from .rtc import RTCGuidance, guided_velocity
+from .siglip import SiglipVisionTower
 
 
 def left_pack(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,11 +108,8 @@ class VLAModel(nn.Module):
     def __init__(self, config: VLAConfig):
         super().__init__()
         c = self.config = config
-        self.vision_tower = SiglipVisionModel(SiglipVisionConfig(
-            hidden_size=c.vision_width, intermediate_size=c.vision_mlp_dim,
-            num_hidden_layers=c.vision_num_layers, num_attention_heads=c.vision_num_heads,
-            image_size=c.image_size, patch_size=c.patch_size, layer_norm_eps=c.vision_eps,
-            hidden_act="gelu_pytorch_tanh", vision_use_head=False))
+        self.vision_tower = SiglipVisionTower(c.vision_width, c.vision_mlp_dim, c.vision_num_layers,
+                                              c.vision_num_heads, c.image_size, c.patch_size, c.vision_eps)
         self.projector = nn.Linear(c.vision_width, c.vlm_width)
         self.token_embedding = nn.Embedding(c.vocab_size, c.vlm_width)
         self.vlm = GemmaStack(c.vlm_num_layers, c.vlm_width, c.vlm_mlp_dim, c.num_heads, c.num_kv_heads,
@@ -347,7 +344,7 @@ class VLAModel(nn.Module):
         return self._encode(pixels)
 
     def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.projector(self.vision_tower(pixel_values=pixels).last_hidden_state)
+        return self.projector(self.vision_tower(pixels))
 
     @torch.inference_mode()
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
