@@ -107,6 +107,9 @@ def test_summary_without_an_outcome_says_so(tmp_path):
 
     text = format_summary(summarize(RunData()))
     assert "task               n/a (no /task_outcome in the bag)" in text
+    # A bag with no chunk and no engine status: every figure it lacks reads n/a, never Python's None.
+    assert "None" not in text
+    assert "(H = n/a:" in text and "deadline misses    n/a; dropped frames n/a; dropped requests n/a" in text
 
 
 def test_speech_status_names_follow_the_message_definition():
