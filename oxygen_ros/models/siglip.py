@@ -65,13 +65,10 @@ class SiglipAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[N, T, width]`` → ``[N, T, width]``; every token attends to every token of its image."""
         n, t, _ = x.shape
-
-        def heads(y: torch.Tensor) -> torch.Tensor:
-            return y.view(n, t, self.heads, self.head_dim).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)),
-                                             scale=self.head_dim ** -0.5)
-        return self.out_proj(out.transpose(1, 2).reshape(n, t, -1))
+        q, k, v = (proj(x).view(n, t, self.heads, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        return self.out_proj(F.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5)
+                             .transpose(1, 2).reshape(n, t, -1))
 
 
 class SiglipMLP(nn.Module):
