@@ -36,17 +36,6 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libOSMesa\.so'; then
   fi
 fi
 
-# ---- 0b. ccache, the compiler cache of the colcon builds (scripts/common.sh) -----------------------------
-# Optional: without it every colcon build compiles the message typesupport again (~1 min of CPU), which
-# is all it costs, so a failed install is only a note.
-if ! command -v ccache >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-  log "installing ccache (apt-get)"
-  mkdir -p "$ROOT/log"
-  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ccache \
-      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ccache; }; } \
-    >"$ROOT/log/apt-ccache.log" 2>&1 || log "apt-get install ccache failed (log/apt-ccache.log): builds run without a compiler cache"
-fi
-
 # ---- 1. virtual environment and dependencies -------------------------------------------------------
 req_hash=$OXYGEN_REQ_HASH
 stamp="$VENV/.oxygen-deps"
@@ -105,8 +94,19 @@ if [ "$(cat "$build_stamp" 2>/dev/null)" != "$build_hash" ]; then
       export AMENT_PREFIX_PATH="$VENV${AMENT_PREFIX_PATH:+:$AMENT_PREFIX_PATH}"
     fi
     mkdir -p "$ROOT/log"
+    # ccache, the compiler cache of the colcon builds (scripts/common.sh). Optional: without it every build
+    # compiles the message typesupport again (~1 min of CPU), which is all it costs. Installed with apt-get
+    # when missing and this script runs as root, only when a build is due.
+    if ! command -v ccache >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+      log "installing ccache (apt-get)"
+      { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ccache \
+          || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ccache; }; } \
+        >"$ROOT/log/apt-ccache.log" 2>&1 || true
+    fi
     launcher=()
-    if command -v ccache >/dev/null; then
+    if ! command -v ccache >/dev/null; then
+      log "no ccache: building without a compiler cache (see log/apt-ccache.log if an install was tried)"
+    else
       # Paths below the repository enter the cache key relative to the build directory, so another
       # clone (or the packaging test's workspace) finds this build's objects.
       export CCACHE_DIR=$OXYGEN_CCACHE_DIR CCACHE_BASEDIR=$ROOT CCACHE_NOHASHDIR=1 CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-1G}
