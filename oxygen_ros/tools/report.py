@@ -265,9 +265,6 @@ def format_summary(summary: dict) -> str:
     def num(value, fmt: str = ".2f") -> str:
         return "n/a" if value is None else format(value, fmt)
 
-    def count(value) -> str:    # a whole number, or n/a when the bag lacks what it is counted from
-        return "n/a" if value is None else str(value)
-
     peak, capacity = summary["kv_pool_peak_bytes"], summary["kv_pool_capacity_bytes"]
     pool = (f"{peak / 2**20:.2f} MiB of {capacity / 2**20:.0f} MiB ({100 * peak / capacity:.1f} %)"
             if peak is not None and capacity else "n/a")
@@ -282,7 +279,7 @@ def format_summary(summary: dict) -> str:
         misses = (f"{summary['deadline_missed_cycles']} of {summary['cycles_recorded']} cycles "
                   f"({summary['deadline_missed_pct']:.1f} %)")
     else:
-        misses = count(summary["deadline_misses"])
+        misses = num(summary["deadline_misses"], "d")
     lines = [
         "==== oxygen_ros demo summary ====",
         f"task               {task}",
@@ -291,7 +288,7 @@ def format_summary(summary: dict) -> str:
         lines.append(f"control rate       {rate}")
     lines += [
         f"action chunks      {summary['action_chunks']} in {num(summary['active_span_s'], '.1f')} s: "
-        f"{num(summary['action_chunks_per_s'])} chunks/s (H = {count(summary['action_horizon'])}: "
+        f"{num(summary['action_chunks_per_s'])} chunks/s (H = {num(summary['action_horizon'], 'd')}: "
         f"{num(summary['action_rate_hz'], '.1f')} actions/s), mean inference latency "
         f"{num(summary['inference_latency_mean_s'] and summary['inference_latency_mean_s'] * 1e3, '.0f')} ms",
         f"per cycle (mean)   {phases} [ms] over {summary['cycles_recorded']} cycles"
@@ -319,8 +316,8 @@ def format_summary(summary: dict) -> str:
     lines += [
         f"tokens/s           {num(summary['tokens_per_s_engine'], '.1f')} over engine time, "
         f"{num(summary['tokens_per_s_wall'], '.1f')} over wall time",
-        f"deadline misses    {misses}; dropped frames {count(summary['dropped_frames'])}; "
-        f"dropped requests {count(summary['dropped_requests'])}",
+        f"deadline misses    {misses}; dropped frames {num(summary['dropped_frames'], 'd')}; "
+        f"dropped requests {num(summary['dropped_requests'], 'd')}",
         f"peak KV pool       {pool}",
         f"bag                {sum(summary['topics'].values())} messages on {len(summary['topics'])} topics, "
         f"{num(summary['bag_duration_s'], '.1f')} s; camera frames "
