@@ -37,6 +37,22 @@ def test_seeded_random_init_is_deterministic():
     assert not torch.equal(a.projector.weight, load_model("pi0_tiny", seed=4).projector.weight)
 
 
+def test_an_inference_model_holds_no_trainable_parameter_and_a_training_one_does(tmp_path):
+    """load_model builds an inference model: no parameter requires a gradient, from random weights or a
+    checkpoint (so real-time chunking's compiled backward computes no weight gradient); trainable=True
+    gives every parameter a gradient after a backward pass."""
+    frozen = load_model("pi05_tiny", seed=3)
+    save_checkpoint(frozen, tmp_path / "ckpt", "openpi")
+    for model in (frozen, load_model("pi05_tiny", tmp_path / "ckpt")):
+        assert not any(p.requires_grad for p in model.parameters()) and not model.training
+    trainable = load_model("pi05_tiny", seed=3, trainable=True)
+    c = trainable.config
+    ids = torch.randint(3, c.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    trainable.token_embedding(ids).sum().backward()
+    assert trainable.token_embedding.weight.grad is not None
+    assert all(p.requires_grad for p in trainable.parameters())
+
+
 def test_save_load_round_trip_and_layouts_agree(pi05, tmp_path):
     expected = _run(pi05)
     outputs = {}

@@ -43,7 +43,7 @@ def test_loss_decreases_on_a_fixed_batch(dataset):
     config = get_preset("pi05_demo", image_size=56)
     samples = load_samples(episode_files(dataset), config.image_size, config.action_horizon)
     batches = Batches(samples, build_processor(config, compute_norm_stats(samples)), 0, 0.0)
-    model = init_training_weights(load_model(config, None, dtype="float32"), 0).train()
+    model = init_training_weights(load_model(config, None, dtype="float32", trainable=True), 0).train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     idx = np.array([0, 2, 6, 8])              # fixed batch: both episodes, several subtasks
     prompts, targets, _ = batches.language(idx, np.random.default_rng(0))

@@ -269,7 +269,7 @@ def _from_json(value):
 
 def load_model(preset: str | VLAConfig, checkpoint_dir: str | Path | None = None,
                dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
-               seed: int | None = None) -> VLAModel:
+               seed: int | None = None, trainable: bool = False) -> VLAModel:
     """Build the model of ``preset`` in eval mode, from a local checkpoint or with seeded random weights.
 
     Parameters are allocated once, on ``device`` and in ``dtype`` (norms in fp32), then filled: no
@@ -282,6 +282,10 @@ def load_model(preset: str | VLAConfig, checkpoint_dir: str | Path | None = None
         dtype: torch.float32 / torch.bfloat16 or ``'float32'``/``'bfloat16'``; default the preset's.
         device: target device.
         seed: random-init seed (default ``config.seed``); same seed and device ⇒ same weights.
+        trainable: the parameters' ``requires_grad`` (default False: an inference model). Real-time
+            chunking differentiates the velocity with respect to the noisy actions only; with parameters
+            that require gradients the compiled guided step's backward would also compute every weight's
+            gradient (docs/benchmarks.md, "Guided (real-time chunking) steps compiled"). Training passes True.
 
     Raises:
         ValueError: unknown preset or dtype.
@@ -299,7 +303,7 @@ def load_model(preset: str | VLAConfig, checkpoint_dir: str | Path | None = None
         model.init_random(config.seed if seed is None else seed)
     else:
         load_state_dict_into(model, read_state_dict(checkpoint_dir))
-    return model.eval()
+    return model.requires_grad_(trainable).eval()
 
 
 def _resolve_dtype(dtype, config: VLAConfig) -> torch.dtype:

@@ -196,7 +196,7 @@ def train_qa(args: argparse.Namespace) -> dict:
     cameras = policy_cameras(policy)
     config = get_preset(policy["preset"], **checkpoint_overrides(args.init_from, policy["preset"]))
     processor = build_processor(config, load_norm_stats(norm_stats_file(args.init_from)), tuple(cameras))
-    model = load_model(config, args.init_from, dtype="float32", device="cpu", seed=args.seed)
+    model = load_model(config, args.init_from, dtype="float32", device="cpu", seed=args.seed, trainable=True)
     started = time.perf_counter()
     examples = make_examples(args.episodes, args.seed, args.memory_k)
     held_out = make_examples(args.eval_episodes, args.seed + 1_000_003, args.memory_k)

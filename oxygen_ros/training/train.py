@@ -635,7 +635,8 @@ def train(config: TrainConfig) -> dict:
     train_pool, val_pool = np.flatnonzero(~is_val), np.flatnonzero(is_val)
     sampled_pool = training_pool(samples, train_pool, config.approach_repeat, config.start_repeat)
 
-    model = load_model(model_config, config.init_from, dtype="float32", device=config.device, seed=config.seed)
+    model = load_model(model_config, config.init_from, dtype="float32", device=config.device, seed=config.seed,
+                       trainable=True)
     if config.init_from is None:
         init_training_weights(model, config.seed)
     init_training = _training_facts(config.init_from)
