@@ -49,10 +49,12 @@ def test_guided_velocity_by_hand():
     v - 2 · 0.75 · (-0.65) = 1.475 where guided, 0.5 elsewhere."""
     x = torch.ones(1, 4, 1)
     guidance = RTCGuidance(torch.full((1, 4, 1), 0.1), torch.tensor([[1.0, 1.0, 0.0, 0.0]]), 10.0)
-    out = guided_velocity(lambda z: 0.5 * z, x, 0.5, guidance)
+    out = guided_velocity(lambda z: 0.5 * z, x, 0.5, guidance_weight(0.5, 10.0), guidance.target, guidance.weights)
     assert torch.allclose(out.flatten(), torch.tensor([1.475, 1.475, 0.5, 0.5]))
     off = RTCGuidance(guidance.target, guidance.weights, 0.0)
-    assert torch.equal(guided_velocity(lambda z: 0.5 * z, x, 0.5, off), 0.5 * x)
+    unguided = guided_velocity(lambda z: 0.5 * z, x, 0.5, guidance_weight(0.5, off.max_guidance_weight), off.target,
+                               off.weights)
+    assert torch.equal(unguided, 0.5 * x)
 
 
 @pytest.fixture(scope="module", params=["pi05_tiny", "pi0_tiny"])

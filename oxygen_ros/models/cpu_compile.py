@@ -40,10 +40,9 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "oxygen_ros" / "inductor"
 RECOMPILE_LIMIT = 64
 # Inductor options: weights frozen into the graph (constant folding of the concatenated Q/K/V and gate/up
 # weights) and a C++ wrapper around the generated kernels instead of a Python one (fewer microseconds per
-# call; measured 1.61x vs 1.49x over eager on pi05_tiny, interleaved, docs/benchmarks.md).
+# call; measured 1.61x vs 1.49x over eager on pi05_tiny, interleaved, docs/benchmarks.md). Both graphs are
+# inference graphs (the guided one takes its vector-Jacobian product inside, under no_grad), so both freeze.
 _OPTIONS = {"freezing": True, "cpp_wrapper": True}
-# The guided step's graph runs under autograd: no freezing (inductor freezes only inference graphs).
-_GUIDED_OPTIONS = {"cpp_wrapper": True}
 
 
 def cache_dir() -> Path:
@@ -72,8 +71,9 @@ def use_default_cache_dir() -> None:
 
 class CompiledVelocity:
     """A model's compiled Euler-step velocity and its bookkeeping: one graph for plain steps (inference
-    mode, weights frozen) and one for steps guided by real-time chunking (``guided``: autograd runs through
-    it, so inductor compiles the step's forward and its backward, without freezing).
+    mode) and one for steps guided by real-time chunking (``guided``: the velocity with its vector-Jacobian
+    product, :meth:`oxygen_ros.models.vla.VLAModel._guided_velocity`, traced whole under ``no_grad``), both
+    with the weights frozen into the graph.
 
     Inductor writes the intra-op thread count into the generated loops, so a graph is one per thread count
     too (dynamo guards on it). A shape is compiled at its first call for the count then in force; for another
@@ -108,14 +108,15 @@ class CompiledVelocity:
 
     def velocity(self, model, guided: bool = False) -> Callable:
         """A callable with :meth:`oxygen_ros.models.vla.VLAModel._velocity`'s signature and results that
-        runs the compiled graph (``model._velocity`` itself after a failed compile). ``guided``: the graph
-        for steps whose velocity autograd differentiates (real-time chunking's vector-Jacobian product)."""
+        runs the compiled graph (the method itself after a failed compile); ``guided``: the same for
+        :meth:`oxygen_ros.models.vla.VLAModel._guided_velocity` (real-time chunking's guided step)."""
+        eager = model._guided_velocity if guided else model._velocity
         if (self.guided_failed if guided else self.failed) is not None:
-            return model._velocity
+            return eager
         seconds = self.guided_compile_seconds if guided else self.compile_seconds
         what = "guided denoising step" if guided else "denoising step"
 
-        def call(x, cond, keys, values, mask, cos, sin):
+        def call(x, cond, keys, values, mask, cos, sin, *guidance):
             # The prefix length may change from call to call: one graph for all of them.
             for tensor in (*keys, *values):
                 torch._dynamo.mark_dynamic(tensor, 1)
@@ -128,20 +129,19 @@ class CompiledVelocity:
             threads = torch.get_num_threads()
             compiled_threads = self.compiled_threads.setdefault((guided, *shape), set())
             if threads in compiled_threads:
-                return self._compiled[guided](x, cond, keys, values, mask, cos, sin)
+                return self._compiled[guided](x, cond, keys, values, mask, cos, sin, *guidance)
             if compiled_threads and not self.warming:
                 # A graph for another thread count exists: compiling this one would stall a control cycle.
                 if self.eager_calls == 0:
                     _LOG.info("the %s has no graph for %d intra-op threads (compiled for %s): running it eagerly",
                               what, threads, sorted(compiled_threads))
                 self.eager_calls += 1
-                return model._velocity(x, cond, keys, values, mask, cos, sin)
+                return eager(x, cond, keys, values, mask, cos, sin, *guidance)
             start = time.perf_counter()
             try:
                 if guided not in self._compiled:
-                    self._compiled[guided] = torch.compile(model._velocity, dynamic=False, fullgraph=True,
-                                                           options=_GUIDED_OPTIONS if guided else _OPTIONS)
-                out = self._compiled[guided](x, cond, keys, values, mask, cos, sin)
+                    self._compiled[guided] = torch.compile(eager, dynamic=False, fullgraph=True, options=_OPTIONS)
+                out = self._compiled[guided](x, cond, keys, values, mask, cos, sin, *guidance)
             except Exception as error:  # noqa: BLE001 - any compiler failure: log once, run eagerly
                 text = f"{type(error).__name__}: {error}".splitlines()[0]
                 if guided:
@@ -149,7 +149,7 @@ class CompiledVelocity:
                 else:
                     self.failed = text
                 _LOG.warning("compiling the %s failed, running it eagerly: %s", what, text)
-                return model._velocity(x, cond, keys, values, mask, cos, sin)
+                return eager(x, cond, keys, values, mask, cos, sin, *guidance)
             elapsed = time.perf_counter() - start
             seconds[shape] = seconds.get(shape, 0.0) + elapsed
             compiled_threads.add(threads)

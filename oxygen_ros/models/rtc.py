@@ -110,27 +110,38 @@ class RTCGuidance:
         return self.max_guidance_weight > 0 and bool((self.weights > 0).any())
 
 
-def guided_velocity(velocity_of, x: torch.Tensor, t: float, guidance: RTCGuidance) -> torch.Tensor:
+def guided_velocity(velocity_of, x: torch.Tensor, t, weight, target: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
     """One Euler step's RTC-guided velocity at π0 time ``t`` (module docstring).
 
+    The vector-Jacobian product is taken with respect to ``x`` only. Eagerly by autograd (grad mode is turned on
+    for the velocity, so a caller under ``torch.no_grad`` is served); while ``torch.compile`` traces it, by
+    ``torch.func.vjp``, so that the whole guided step (velocity and product) is one graph. The function
+    transform costs more per op in eager mode than autograd (measured: docs/benchmarks.md), hence the two.
+    ``velocity_of`` must not write its result into tensors it captures (a function transform refuses that).
+
     Args:
-        velocity_of: ``x [B, H, D] -> v [B, H, D]``, differentiable in x (the action expert over a fixed prefix).
+        velocity_of: ``x [B, H, D] -> v [B, H, D]`` fp32, differentiable in x (the action expert over a fixed
+            prefix).
         x: fp32 ``[B, H, D]`` noisy actions at time t.
-        t: π0 time of the step (1 = noise).
-        guidance: target, weights, β.
+        t: π0 time of the step (1 = noise), a float or a 0-dim fp32 tensor.
+        weight: the guidance weight ``w_t`` (:func:`guidance_weight`), a float or a 0-dim fp32 tensor.
+        target: Y, fp32 ``[B, H, D]`` (:class:`RTCGuidance`).
+        weights: W, fp32 ``[B, H]``.
 
     Returns:
-        fp32 ``[B, H, D]``: ``v - w_t · Jᵀ(W ⊙ (Y - (x - t v)))``; with ``w_t = 0`` the plain velocity
-        (no vector-Jacobian product is computed).
+        fp32 ``[B, H, D]``: ``v - w_t · Jᵀ(W ⊙ (Y - x̂))`` with ``x̂ = x - t v`` and ``J = ∂x̂/∂x = I - t ∂v/∂x``,
+        i.e. ``v - w_t · (e - t (∂v/∂x)ᵀ e)`` for the weighted error ``e = W ⊙ (Y - x̂)``.
     """
-    weight = guidance_weight(t, guidance.max_guidance_weight)
-    if weight == 0.0:
-        with torch.no_grad():
-            return velocity_of(x).float()
-    x_in = x.detach().requires_grad_(True)
-    with torch.enable_grad():
-        velocity = velocity_of(x_in).float()
-        estimate = x_in - t * velocity
-        error = guidance.weights[..., None].to(estimate) * (guidance.target.to(estimate) - estimate)
-        (correction,) = torch.autograd.grad(estimate, x_in, error)
-    return velocity.detach() - weight * correction
+    if torch.compiler.is_compiling():
+        velocity, pullback = torch.func.vjp(velocity_of, x)
+    else:
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            velocity = velocity_of(x)
+
+        def pullback(error: torch.Tensor) -> tuple[torch.Tensor]:
+            return torch.autograd.grad(velocity, x, error)
+    error = weights[..., None] * (target - (x - t * velocity)).detach()
+    (pulled,) = pullback(error)
+    return velocity.detach() - weight * (error - t * pulled)

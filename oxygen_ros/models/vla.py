@@ -36,7 +36,7 @@ from .gemma import (AdaRMSNorm, AttentionMask, GemmaStack, RMSNorm, apply_rope, 
                     rope_inverse_frequencies)
 from . import cpu_fast_paths, native
 from .kv_cache import KVCacheView
-from .rtc import RTCGuidance, guided_velocity
+from .rtc import RTCGuidance, guidance_weight, guided_velocity
 from .siglip import SiglipVisionTower
 
 
@@ -208,7 +208,7 @@ class VLAModel(nn.Module):
         self._prefix_bucket = prefix_bucket
 
     def enable_cpu_compile(self, enabled: bool = True) -> None:
-        """Run each Euler step of :meth:`denoise` on the CPU (fp32, unguided) as a graph compiled by
+        """Run each Euler step of :meth:`denoise` on the CPU (fp32, plain or guided) as a graph compiled by
         ``torch.compile`` (:mod:`oxygen_ros.models.cpu_compile`): compiled on the first call of each
         batch size and horizon (any prefix length), then replayed. Results equal the eager path's up
         to fp32 summation order. No effect on other devices or dtypes.
@@ -618,8 +618,9 @@ class VLAModel(nn.Module):
                 (its state is in the prompt) — passing one to π0.5 raises.
             guidance: real-time chunking's inpainting guidance toward the chunks in flight
                 (:mod:`oxygen_ros.models.rtc`); None, β = 0 or all-zero weights: plain denoising. A
-                guided call runs eagerly with autograd (a vector-Jacobian product through the action
-                expert per step, about three forward passes' work), never from a CUDA graph.
+                guided call takes a vector-Jacobian product through the action expert per step (about
+                three forward passes' work), eagerly by autograd or, with :meth:`enable_cpu_compile`, in one
+                compiled graph per step; never from a CUDA graph.
 
         Returns:
             fp32 ``[B, H, action_dim]`` normalised actions x_0.
@@ -659,9 +660,12 @@ class VLAModel(nn.Module):
 
     def _denoise_guided(self, prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state,
                         guidance: RTCGuidance) -> torch.Tensor:
-        """:meth:`_denoise_loop` with RTC guidance, outside inference mode (autograd records the action
-        expert's steps; the prefix K/V are copied out of inference mode once and hold no gradient)."""
-        with torch.inference_mode(False):
+        """:meth:`_denoise_loop` with RTC guidance, outside inference mode and under ``no_grad``: the
+        vector-Jacobian product's function transform tracks the gradient with respect to the noisy actions itself,
+        and tensors it saves may not be inference tensors (the prefix K/V are copied out of inference mode once).
+        Outside inference mode the CPU fast paths without a derivative (native attention, prepacked and fused
+        products) stay off."""
+        with torch.inference_mode(False), torch.no_grad():
             guidance = RTCGuidance(guidance.target.to(self.device, torch.float32).clone(),
                                    guidance.weights.to(self.device, torch.float32).clone(),
                                    guidance.max_guidance_weight)
@@ -738,35 +742,32 @@ class VLAModel(nn.Module):
                                                                     cached_lens)
             offset = 1
         prefix_len = prefix_k[0].shape[1]
-        keys = [torch.cat((k, k.new_zeros(b, horizon, *k.shape[2:])), dim=1) for k in prefix_k]
-        values = [torch.cat((v, v.new_zeros(b, horizon, *v.shape[2:])), dim=1) for v in prefix_v]
         mask = AttentionMask(torch.cat((prefix_valid[:, None, :].expand(b, horizon, prefix_len),
                                         torch.ones(b, horizon, horizon, dtype=torch.bool, device=self.device)), dim=2))
         positions = cached_lens[:, None] + offset + torch.arange(horizon, device=self.device)[None, :]
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.dtype)
         conditioning = self._time_conditioning(times)
-        velocity_fn = self._velocity
-        if self._cpu_compile is not None and self.device.type == "cpu" and self.dtype == torch.float32:
-            velocity_fn = self._cpu_compile.velocity(self, guided=guidance is not None)
+        compiled = self._cpu_compile if self.device.type == "cpu" and self.dtype == torch.float32 else None
+        if guidance is None:
+            # Room for the action tokens' K/V after the prefix's, written by every step.
+            keys = [torch.cat((k, k.new_zeros(b, horizon, *k.shape[2:])), dim=1) for k in prefix_k]
+            values = [torch.cat((v, v.new_zeros(b, horizon, *v.shape[2:])), dim=1) for v in prefix_v]
+            eager = self._velocity
+        else:
+            keys, values, eager = prefix_k, prefix_v, self._guided_velocity     # the action tokens' K/V appended
+        velocity_fn = eager if compiled is None else compiled.velocity(self, guided=guidance is not None)
         # Eager: the mask wrapper, so that its layouts are built once per denoise; compiled: the tensor.
-        step_mask = mask if velocity_fn == self._velocity else mask.mask
-
-        def velocity_of(x: torch.Tensor, step: int) -> torch.Tensor:
-            step_keys, step_values = keys, values
-            if guidance is not None:
-                # The step writes its action tokens' K/V into these buffers; the previous step's writes made
-                # them part of its (spent) autograd graph. Detached views: each step differentiates through
-                # its own writes only, and every step is the same graph (no gradient for the prefix).
-                step_keys, step_values = [k.detach() for k in keys], [v.detach() for v in values]
-            return velocity_fn(x, self._step_conditioning(conditioning, step), step_keys, step_values, step_mask,
-                               cos, sin)
-
+        step_mask = mask if velocity_fn == eager else mask.mask
         x = noise
         for step in range(steps):
+            args = (x, self._step_conditioning(conditioning, step), keys, values, step_mask, cos, sin)
             if guidance is None:
-                velocity = velocity_of(x, step)
+                velocity = velocity_fn(*args)
             else:
-                velocity = guided_velocity(lambda x_t: velocity_of(x_t, step), x, 1.0 + dt * step, guidance)
+                t = 1.0 + dt * step
+                weight = guidance_weight(t, guidance.max_guidance_weight)
+                velocity = velocity_fn(*args, torch.tensor(t, device=self.device),
+                                       torch.tensor(weight, device=self.device), guidance.target, guidance.weights)
             x = x + dt * velocity.float()
         return x
 
@@ -779,23 +780,26 @@ class VLAModel(nn.Module):
 
     def _velocity(self, x: torch.Tensor, cond: dict[str, object], keys: list[torch.Tensor],
                   values: list[torch.Tensor], mask: torch.Tensor | AttentionMask, cos: torch.Tensor,
-                  sin: torch.Tensor) -> torch.Tensor:
+                  sin: torch.Tensor, append: bool = False) -> torch.Tensor:
         """One Euler step's velocity ``v(x, t)``: the action expert over the action tokens of ``x``
         (fp32 ``[B, H, action_dim]``) attending to the prefix K/V.
 
         Args:
             cond: :meth:`_step_conditioning` of the step.
             keys, values: per layer ``[B, P + H, kv_heads, head_dim]``, the P prefix tokens' K/V, then room
-                for the action tokens' (written here).
+                for the action tokens' (written here); with ``append`` the P prefix tokens' only
+                ``[B, P, kv_heads, head_dim]``, and the action tokens' are concatenated to them (nothing is
+                written: what a function transform such as RTC's vector-Jacobian product needs).
             mask: bool ``[B, H, P + H]`` (or its :class:`AttentionMask`).
             cos, sin: the action tokens' RoPE tables ``[B, H, 1, head_dim]``.
+            append: see ``keys``.
 
         Returns:
             ``[B, H, action_dim]`` in the model dtype. Pure tensor code of fixed shapes (no host
             synchronisation), so that it can be captured (CUDA graphs) or compiled (:mod:`.cpu_compile`).
         """
         attention_mask = mask if isinstance(mask, AttentionMask) else AttentionMask(mask)
-        prefix_len = keys[0].shape[1] - x.shape[1]
+        prefix_len = keys[0].shape[1] - (0 if append else x.shape[1])
         tokens = self.action_in_proj(x.to(self.dtype))
         if "time_emb" in cond:
             emb = cond["time_emb"].expand_as(tokens)
@@ -804,11 +808,28 @@ class VLAModel(nn.Module):
         for i, layer in enumerate(self.expert.layers):
             mod_in, mod_post = (None, None) if layer_mods is None else layer_mods[i]
             q, k, v, gate = layer.project_qkv(tokens, mod_in)
-            keys[i][:, prefix_len:] = apply_rope(k, cos, sin)
-            values[i][:, prefix_len:] = v
-            attn = attention(apply_rope(q, cos, sin), keys[i], values[i], attention_mask)
+            if append:
+                layer_keys = torch.cat((keys[i], apply_rope(k, cos, sin)), dim=1)
+                layer_values = torch.cat((values[i], v), dim=1)
+            else:
+                layer_keys, layer_values = keys[i], values[i]
+                layer_keys[:, prefix_len:] = apply_rope(k, cos, sin)
+                layer_values[:, prefix_len:] = v
+            attn = attention(apply_rope(q, cos, sin), layer_keys, layer_values, attention_mask)
             tokens = layer.finish(tokens, attn, gate, mod_post)
         return self.action_out_proj(self.expert.norm(tokens, cond.get("final"))[0])
+
+    def _guided_velocity(self, x: torch.Tensor, cond: dict[str, object], keys: list[torch.Tensor],
+                         values: list[torch.Tensor], mask: torch.Tensor | AttentionMask, cos: torch.Tensor,
+                         sin: torch.Tensor, t: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         weights: torch.Tensor) -> torch.Tensor:
+        """One Euler step's velocity guided by real-time chunking (:func:`oxygen_ros.models.rtc.guided_velocity`):
+        :meth:`_velocity` with ``append`` over the prefix K/V ``keys``, ``values`` (``[B, P, kv_heads,
+        head_dim]`` per layer), and its vector-Jacobian product, in one piece of pure tensor code (compiled
+        whole by :mod:`.cpu_compile`). ``t``, ``weight``: 0-dim fp32 π0 time and guidance weight; ``target``
+        ``[B, H, action_dim]`` and ``weights`` ``[B, H]`` fp32. Returns fp32 ``[B, H, action_dim]``."""
+        return guided_velocity(lambda x_t: self._velocity(x_t, cond, keys, values, mask, cos, sin, append=True).float(),
+                               x, t, weight, target, weights)
 
     def _check_state(self, state: torch.Tensor | None, batch: int) -> None:
         if self.config.variant == "pi0":
