@@ -282,10 +282,9 @@ def load_model(preset: str | VLAConfig, checkpoint_dir: str | Path | None = None
         dtype: torch.float32 / torch.bfloat16 or ``'float32'``/``'bfloat16'``; default the preset's.
         device: target device.
         seed: random-init seed (default ``config.seed``); same seed and device ⇒ same weights.
-        trainable: the parameters' ``requires_grad`` (default False: an inference model). Real-time
-            chunking differentiates the velocity with respect to the noisy actions only; with parameters
-            that require gradients the compiled guided step's backward would also compute every weight's
-            gradient (docs/benchmarks.md, "Guided (real-time chunking) steps compiled"). Training passes True.
+        trainable: the parameters' ``requires_grad`` (default False: an inference model, whose compiled
+            graphs need no weight gradient; real-time chunking differentiates with respect to the noisy
+            actions only). Training passes True.
 
     Raises:
         ValueError: unknown preset or dtype.

@@ -660,11 +660,11 @@ class VLAModel(nn.Module):
 
     def _denoise_guided(self, prefix_k, prefix_v, prefix_valid, cached_lens, noise, steps, state,
                         guidance: RTCGuidance) -> torch.Tensor:
-        """:meth:`_denoise_loop` with RTC guidance, outside inference mode and under ``no_grad``: the
-        vector-Jacobian product's function transform tracks the gradient with respect to the noisy actions itself,
-        and tensors it saves may not be inference tensors (the prefix K/V are copied out of inference mode once).
-        Outside inference mode the CPU fast paths without a derivative (native attention, prepacked and fused
-        products) stay off."""
+        """:meth:`_denoise_loop` with RTC guidance, outside inference mode and under ``no_grad``: each guided
+        step tracks the gradient with respect to the noisy actions itself (autograd eagerly, a function transform
+        when compiled), and tensors saved for it may not be inference tensors (the prefix K/V are copied out of
+        inference mode once). Outside inference mode the CPU fast paths without a derivative (native attention,
+        prepacked and fused products) stay off."""
         with torch.inference_mode(False), torch.no_grad():
             guidance = RTCGuidance(guidance.target.to(self.device, torch.float32).clone(),
                                    guidance.weights.to(self.device, torch.float32).clone(),
@@ -766,8 +766,8 @@ class VLAModel(nn.Module):
             else:
                 t = 1.0 + dt * step
                 weight = guidance_weight(t, guidance.max_guidance_weight)
-                velocity = velocity_fn(*args, torch.tensor(t, device=self.device),
-                                       torch.tensor(weight, device=self.device), guidance.target, guidance.weights)
+                t_w = [torch.tensor(value, dtype=torch.float32, device=self.device) for value in (t, weight)]
+                velocity = velocity_fn(*args, *t_w, guidance.target, guidance.weights)
             x = x + dt * velocity.float()
         return x
 
