@@ -481,9 +481,10 @@ class EngineConfig:
     cpu_compile: bool = knob(False, "on the CPU in fp32, run each Euler step of the denoising loop as a graph "
                              "compiled by torch.compile (inductor, cached on disk in ~/.cache/oxygen_ros/inductor; "
                              "docs/models.md): compiled at engine construction for one robot's batch (8-25 s on "
-                             "2 cores; with rtc.enabled also the guided steps' graph, forward and backward) and "
-                             "at the first denoise of another batch size; the loop then runs 1.8-2.4x faster "
-                             "(pi05_tiny, pi05_demo), the guided loop 1.5x; ignored elsewhere", when=STRUCTURAL)
+                             "2 cores; with rtc.enabled also the guided steps' graph, the velocity with its "
+                             "vector-Jacobian product) and at the first denoise of another batch size; the loop "
+                             "then runs 1.8-2.4x faster (pi05_tiny, pi05_demo), the guided loop 1.8x (pi05_demo); "
+                             "ignored elsewhere", when=STRUCTURAL)
 
     def __post_init__(self) -> None:
         _validate(self, "engine.")
