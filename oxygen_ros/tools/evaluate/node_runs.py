@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from oxygen_ros.demo_task import DT, RENDER_RATE_HZ
+from oxygen_ros.demo_task import DT, RENDER_RATE_HZ, SETTLE_S
 from oxygen_ros.tools.child_process import package_pythonpath, start_child, stop_child
 from oxygen_ros.tools.evaluate.conditions import NODE_NAME, topic_camera
 from oxygen_ros.tools.evaluate.report import episode_line
@@ -165,8 +165,15 @@ def run_node_condition(condition: str, params: dict, seeds: list[int], args, out
                     first.setdefault(round(stamp, 6), latency)
                 record["inference_latencies"] = [first.get(round(t, 6)) for t, _, _ in record["frames"]]
             if condition == "node-realtime":
+                # The episode's chunks only (observation stamps on the robot's clock, from its settling to its last
+                # sample), not those of the robot process's start-up or of the wait for language above; the
+                # number of chunks stays the robot's own count over the same span as its wall_s and sim_s.
+                observed = record.get("observed") or []
+                if observed:
+                    first, last = observed[0]["t"] - SETTLE_S, observed[-1]["t"]
+                    chunks = [c for c in chunks if first <= c[0] <= last]
+                record["inference_latencies"] = [latency for _, _, latency in chunks]
                 record["latencies"] = [received - stamp for stamp, received, _ in chunks]
-                record["chunks"] = len(chunks)
             records[run.name].append(record)
             log(f"{run.name} episode {seed}: {episode_line(record)}")
     finally:
